@@ -1,0 +1,106 @@
+"""Harness for the targeted tests of the patches.
+
+The tests import vLLM from a source tree, never from an installed package:
+``VLLM_TREE`` names the tree's root (the directory holding ``vllm/``), and it
+is put first on ``sys.path`` before anything imports vLLM. ``apply.py`` sets
+it for each tree it tests (the unpatched base and the patched tree); by hand:
+
+    VLLM_TREE=/path/to/vllm-checkout .venv/bin/python -m pytest tests/patches
+
+Without ``VLLM_TREE`` every test here is skipped, with that reason.
+
+What a source tree on a CPU-only machine needs, done here openly rather than
+by editing the tree under test:
+
+* vLLM turns Triton off when no GPU driver is present unless
+  ``CUDA_VISIBLE_DEVICES=""`` and ``TRITON_INTERPRET=1`` are set; with them
+  the TurboQuant Triton kernels run in Triton's interpreter on CPU tensors.
+  Both are set (unless already set) when torch sees no CUDA device.
+* An uninstalled tree finds no platform (platform detection reads installed
+  package metadata): the ``cpu_platform`` fixture installs vLLM's
+  ``CpuPlatform`` for tests that need one.
+* ``WorkspaceManager`` calls ``torch.accelerator.empty_cache()`` when it
+  grows, which raises on a CPU-only torch: the autouse fixture
+  ``_accelerator_empty_cache_noop`` makes it a no-op when no accelerator
+  exists.
+
+Test modules import vLLM inside tests or fixtures (not at module level), so
+that collection works without a tree.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+HAS_CUDA = torch.cuda.is_available()
+TREE = os.environ.get("VLLM_TREE", "")
+
+if not HAS_CUDA:
+    os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+if TREE:
+    _tree = Path(TREE).resolve()
+    if not (_tree / "vllm" / "__init__.py").is_file():
+        raise pytest.UsageError(f"VLLM_TREE={TREE}: no vllm/__init__.py there")
+    sys.path.insert(0, str(_tree))
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "gpu: needs a CUDA GPU; skipped elsewhere")
+
+
+def pytest_collection_modifyitems(
+    config: pytest.Config, items: list[pytest.Item]
+) -> None:
+    here = Path(__file__).parent
+    no_tree = pytest.mark.skip(reason="VLLM_TREE is not set (see conftest.py)")
+    no_gpu = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if here not in Path(item.fspath).parents:
+            continue
+        if not TREE:
+            item.add_marker(no_tree)
+        elif "gpu" in item.keywords and not HAS_CUDA:
+            item.add_marker(no_gpu)
+
+
+@pytest.fixture(scope="session")
+def vllm_tree() -> Path:
+    """The tree under test; asserts that ``import vllm`` resolves into it."""
+    import vllm
+
+    tree = Path(TREE).resolve()
+    got = Path(vllm.__file__).resolve()
+    assert tree in got.parents, f"vllm imported from {got}, not from {tree}"
+    return tree
+
+
+@pytest.fixture
+def device() -> torch.device:
+    return torch.device("cuda" if HAS_CUDA else "cpu")
+
+
+@pytest.fixture(autouse=True)
+def _accelerator_empty_cache_noop(monkeypatch: pytest.MonkeyPatch) -> None:
+    if torch.accelerator.current_accelerator() is None:
+        monkeypatch.setattr(torch.accelerator, "empty_cache", lambda: None)
+
+
+@pytest.fixture
+def cpu_platform(vllm_tree: Path, monkeypatch: pytest.MonkeyPatch):
+    """Install vLLM's CpuPlatform as ``current_platform`` on CPU-only hosts."""
+    import vllm.platforms as platforms
+
+    if HAS_CUDA:
+        return platforms.current_platform
+    from vllm.platforms.cpu import CpuPlatform
+
+    plat = CpuPlatform()
+    monkeypatch.setattr(platforms, "_current_platform", plat)
+    return plat
