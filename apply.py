@@ -1,0 +1,1342 @@
+#!/usr/bin/env python3
+"""apply.py: apply, verify and carry a series of vLLM patches.
+
+The series file lists patches (git format-patch files under patches/) in
+stacks, each pinned to a vLLM base. This tool applies a stack onto a base in a
+worktree of its own, runs each patch's targeted tests against the patched tree
+and its regression tests against the unpatched base, prints a table, writes a
+JSON report and leaves the result as a branch in its own ref namespace
+(refs/heads/patched/<stack>/<base>). It never changes the user's checkout.
+
+Examples:
+    python apply.py                          # every stack at its pinned base
+    python apply.py --base v0.20.2 --repo ~/src/vllm --json report.json
+    python apply.py check                    # lint the series (pre-commit)
+    python apply.py test --tree ~/src/vllm   # targeted tests against a tree
+    python apply.py base v0.21.0             # obtain a release base offline
+
+Standard library and git only. Exit codes: 0 all good; 1 a patch conflicted
+or a test failed; 2 bad input or environment (one line on stderr).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import fcntl
+import hashlib
+import json
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import xml.etree.ElementTree as ET
+import zipfile
+from pathlib import Path, PurePosixPath
+
+PROJECT = Path(__file__).resolve().parent
+TOOL_NAME = "vllm-patches"
+IDENTITY = ("vllm-patch-series", "vllm-patch-series@users.noreply.github.com")
+REF_NS = "refs/heads/patched"
+UPSTREAM_URL = "https://github.com/vllm-project/vllm"
+# A fixed date for the commits the tool makes from release archives, so that
+# the same release always gives the same commit id on every machine.
+BASE_DATE = "946684800 +0000"  # 2000-01-01T00:00:00Z
+UPSTREAM_STATUS = re.compile(
+    r"^(Pending|Submitted \[\S+\]|Backport \[[^\]]+\]|Inappropriate \[[^\]]+\])$"
+)
+SPDX = (
+    "# SPDX-License-Identifier: Apache-2.0",
+    "# SPDX-FileCopyrightText: Copyright contributors to the vLLM project",
+)
+ZERO_FROM = b"From 0000000000000000000000000000000000000000 Mon Sep 17 00:00:00 2001\n"
+STACK_KEYS = {"repo", "tag", "branch", "commit", "pypi", "fetch"}
+
+# Deterministic export: every flag and config value that shapes format-patch
+# output is pinned, so re-exporting an unchanged commit gives the same bytes.
+FORMAT_PATCH_CONFIG = (
+    "core.abbrev=12",
+    "diff.noprefix=false",
+    "diff.mnemonicPrefix=false",
+    "diff.renames=false",
+    "diff.algorithm=myers",
+    "diff.indentHeuristic=true",
+    "format.signature=",
+    "format.headers=",
+    "format.numbered=false",
+    "format.coverLetter=false",
+    "format.signOff=false",
+    "format.thread=false",
+)
+FORMAT_PATCH_FLAGS = (
+    "format-patch",
+    "--stdout",
+    "--zero-commit",
+    "--full-index",
+    "--no-signature",
+    "--keep-subject",
+    "--no-renames",
+    "--no-numbered",
+    "--stat=72",
+    "--encode-email-headers",
+    "--no-attach",
+    "--no-thread",
+    "--no-to",
+    "--no-cc",
+)
+# What git am must not take from the user's configuration.
+AM_CONFIG = (
+    "core.hooksPath=/dev/null",
+    "am.keepcr=false",
+    "am.threeWay=false",
+    "am.messageid=false",
+    "apply.whitespace=nowarn",
+    "core.autocrlf=false",
+    "commit.gpgSign=false",
+    f"user.name={IDENTITY[0]}",
+    f"user.email={IDENTITY[1]}",
+)
+
+
+class UserError(Exception):
+    """Bad input or environment: exit 2 with one line on stderr."""
+
+
+def say(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+# --------------------------------------------------------------------------
+# git
+
+
+def git(
+    *args: str,
+    cwd: Path | str | None = None,
+    check: bool = True,
+    env: dict[str, str] | None = None,
+    input: bytes | None = None,
+    config: tuple[str, ...] = (),
+    timeout: float | None = None,
+) -> subprocess.CompletedProcess[bytes]:
+    cmd = ["git"]
+    for c in config:
+        cmd += ["-c", c]
+    cmd += list(args)
+    full_env = dict(os.environ)
+    full_env.update({"GIT_TERMINAL_PROMPT": "0", "LC_ALL": "C"})
+    if env:
+        full_env.update(env)
+    proc = subprocess.run(
+        cmd,
+        cwd=cwd,
+        input=input,
+        capture_output=True,
+        env=full_env,
+        timeout=timeout,
+    )
+    if check and proc.returncode != 0:
+        err = proc.stderr.decode(errors="replace").strip().splitlines()
+        raise GitError(" ".join(cmd[:6]), proc.returncode, err[-1] if err else "")
+    return proc
+
+
+class GitError(Exception):
+    def __init__(self, cmd: str, rc: int, last: str):
+        super().__init__(f"{cmd}: exit {rc}: {last}")
+        self.rc = rc
+
+
+def gout(*args: str, cwd: Path | str | None = None, **kw) -> str:
+    return git(*args, cwd=cwd, **kw).stdout.decode().strip()
+
+
+def rev_commit(repo: Path, rev: str) -> str | None:
+    proc = git("rev-parse", "--verify", "--quiet", f"{rev}^{{commit}}", cwd=repo,
+               check=False)
+    return proc.stdout.decode().strip() or None if proc.returncode == 0 else None
+
+
+def git_common_dir(repo: Path) -> Path:
+    return Path(gout("rev-parse", "--path-format=absolute", "--git-common-dir",
+                     cwd=repo))
+
+
+def open_repo(path: Path) -> Path:
+    if not path.exists():
+        raise UserError(f"{path}: no such directory (give a vLLM git repository)")
+    proc = git("rev-parse", "--git-dir", cwd=path, check=False)
+    if proc.returncode != 0:
+        raise UserError(f"{path}: not a git repository (give a vLLM git clone)")
+    return path.resolve()
+
+
+def format_patch(repo: Path, rev: str) -> bytes:
+    """The deterministic export of one commit."""
+    return git(*FORMAT_PATCH_FLAGS, "-1", rev, cwd=repo,
+               config=FORMAT_PATCH_CONFIG).stdout
+
+
+# --------------------------------------------------------------------------
+# series and patches
+
+
+@dataclasses.dataclass
+class Stack:
+    name: str
+    pins: dict[str, str]
+    patches: list[str]
+    lineno: int
+    not_needed: list[dict[str, str]] = dataclasses.field(default_factory=list)
+
+    def fetch_hint(self) -> str:
+        repo = self.pins.get("repo", UPSTREAM_URL)
+        what = self.pins.get("fetch") or self.pins.get("commit") or self.pins.get(
+            "tag", "")
+        return f"git fetch {repo} {what}"
+
+
+@dataclasses.dataclass
+class Series:
+    path: Path
+    stacks: list[Stack]
+
+    @property
+    def root(self) -> Path:
+        return self.path.parent
+
+    @property
+    def patches_dir(self) -> Path:
+        return self.root / "patches"
+
+    def stack(self, name: str | None) -> Stack:
+        if name is None:
+            return self.stacks[0]
+        for s in self.stacks:
+            if s.name == name:
+                return s
+        names = ", ".join(s.name for s in self.stacks)
+        raise UserError(f"unknown stack '{name}' (the series has: {names})")
+
+    def digest(self, stack: Stack) -> str:
+        h = hashlib.sha256()
+        for p in stack.patches:
+            h.update(p.encode() + b"\0" + (self.patches_dir / p).read_bytes())
+        return h.hexdigest()
+
+
+def parse_series(path: Path, need_patches: bool = True) -> Series:
+    if not path.is_file():
+        raise UserError(f"{path}: series file not found")
+    stacks: list[Stack] = []
+    seen: dict[str, int] = {}
+    for n, raw in enumerate(path.read_text().splitlines(), 1):
+        line = raw.strip()
+        where = f"{path.name}:{n}"
+        if line.startswith("#@"):
+            try:
+                words = shlex.split(line[2:])
+            except ValueError as e:
+                raise UserError(f"{where}: malformed directive: {e}") from None
+            if not words:
+                raise UserError(f"{where}: empty '#@' directive")
+            kind, rest = words[0], words[1:]
+            kv: dict[str, str] = {}
+            for w in rest[1:]:
+                if "=" not in w:
+                    raise UserError(f"{where}: malformed directive: expected "
+                                    f"key=value, got '{w}'")
+                k, v = w.split("=", 1)
+                kv[k] = v
+            if kind == "stack":
+                if not rest or "=" in rest[0]:
+                    raise UserError(f"{where}: malformed directive: "
+                                    "'#@ stack NAME key=value ...'")
+                name = rest[0]
+                if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", name):
+                    raise UserError(f"{where}: bad stack name '{name}'")
+                bad = set(kv) - STACK_KEYS
+                if bad:
+                    raise UserError(f"{where}: malformed directive: unknown key "
+                                    f"'{sorted(bad)[0]}' (known: "
+                                    f"{', '.join(sorted(STACK_KEYS))})")
+                if not ({"commit", "tag", "branch"} & set(kv)):
+                    raise UserError(f"{where}: stack '{name}' pins no base "
+                                    "(give commit=, tag= or branch=)")
+                if "commit" in kv and not re.fullmatch(r"[0-9a-f]{40}", kv["commit"]):
+                    raise UserError(f"{where}: commit= must be 40 hex digits")
+                if any(s.name == name for s in stacks):
+                    raise UserError(f"{where}: stack '{name}' defined twice")
+                stacks.append(Stack(name, kv, [], n))
+            elif kind == "not-needed":
+                if not stacks or not rest:
+                    raise UserError(f"{where}: malformed directive: "
+                                    "'#@ not-needed PATCH base=REV reason=...'")
+                rec = {"file": rest[0], **kv}
+                stacks[-1].not_needed.append(rec)
+            else:
+                raise UserError(f"{where}: unknown directive '#@ {kind}'")
+            continue
+        if not line or line.startswith("#"):
+            continue
+        fields = line.split()
+        entry = fields[0]
+        if any(f not in ("-p1",) for f in fields[1:]):
+            raise UserError(f"{where}: unsupported quilt option in '{line}'")
+        if not stacks:
+            raise UserError(f"{where}: patch '{entry}' comes before any "
+                            "'#@ stack' directive")
+        if entry in seen:
+            raise UserError(f"{where}: '{entry}' listed twice (first at line "
+                            f"{seen[entry]})")
+        seen[entry] = n
+        check_safe_relpath(entry, f"{where}: series entry")
+        stacks[-1].patches.append(entry)
+    if not stacks or (need_patches and not any(s.patches for s in stacks)):
+        raise UserError(f"{path}: the series lists no patch")
+    for s in stacks:
+        for p in s.patches:
+            if not (path.parent / "patches" / p).is_file():
+                raise UserError(f"{path.name}: '{p}' is listed but "
+                                f"patches/{p} does not exist")
+    return Series(path.resolve(), stacks)
+
+
+def check_safe_relpath(p: str, what: str) -> None:
+    pp = PurePosixPath(p)
+    if (pp.is_absolute() or ".." in pp.parts or ".git" in pp.parts
+            or "\\" in p or not pp.parts):
+        raise UserError(f"{what} '{p}' is not a safe relative path")
+
+
+@dataclasses.dataclass
+class Patch:
+    file: str
+    path: Path
+    subject: str
+    trailers: list[tuple[str, str]]
+    files: list[str]
+    raw: bytes
+
+    def values(self, key: str) -> list[str]:
+        return [v for k, v in self.trailers if k.lower() == key.lower()]
+
+    @property
+    def regression(self) -> list[str]:
+        tests = self.values("Tests")
+        return tests[0].split() if tests else []
+
+    @property
+    def tests(self) -> list[str]:
+        out: list[str] = []
+        for t in self.values("Tests"):
+            out += [x for x in t.split() if x not in out]
+        return out
+
+
+DIFF_GIT = re.compile(rb"^diff --git a/(\S+) b/(\S+)$", re.M)
+
+
+def load_patch(series: Series, entry: str) -> Patch:
+    path = series.patches_dir / entry
+    raw = path.read_bytes()
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        raise UserError(f"patches/{entry}: not UTF-8 text") from None
+    head, sep, _ = text.partition("\n---\n")
+    if not raw.startswith(b"From ") or not sep or b"\ndiff --git " not in raw:
+        raise UserError(f"patches/{entry}: not a git format-patch file "
+                        "(no mbox header, '---' line or diff)")
+    m = re.search(r"^Subject: (.*(?:\n [^\n]*)*)$", head, re.M)
+    subject = re.sub(r"\n ", " ", m.group(1)) if m else ""
+    body = head.split("\n\n", 1)[1] if "\n\n" in head else ""
+    proc = git("interpret-trailers", "--parse", "--no-divider",
+               input=body.encode(), cwd=series.root)
+    trailers = []
+    for line in proc.stdout.decode().splitlines():
+        k, _, v = line.partition(":")
+        trailers.append((k.strip(), v.strip()))
+    files = []
+    for a, b in DIFF_GIT.findall(raw):
+        for f in (a.decode(), b.decode()):
+            if f not in files:
+                files.append(f)
+    for f in files:
+        check_safe_relpath(f, f"patches/{entry}: touches")
+    if b"\nGIT binary patch\n" in raw or re.search(rb"^Binary files ", raw, re.M):
+        raise UserError(f"patches/{entry}: binary diff (patches must be text)")
+    return Patch(entry, path, subject, trailers, files, raw)
+
+
+def lint_patch(series: Series, p: Patch) -> list[str]:
+    """Problems with one patch's headers and content, as messages."""
+    probs = []
+    where = f"patches/{p.file}"
+    if not p.raw.startswith(ZERO_FROM):
+        probs.append(f"{where}: not exported with --zero-commit "
+                     "(use 'apply.py format-patch')")
+    if re.search(rb"^index [0-9a-f]{7,39}\.\.", p.raw, re.M) and not re.search(
+        rb"^index [0-9a-f]{40}\.\.[0-9a-f]{40}", p.raw, re.M
+    ):
+        probs.append(f"{where}: index lines are abbreviated (use --full-index)")
+    if re.search(rb"\n-- \n[0-9][^\n]*\n*\Z", p.raw):
+        probs.append(f"{where}: ends with a git version signature")
+    if not p.subject or not re.match(r"^\[[^\]]+\]", p.subject):
+        probs.append(f"{where}: subject needs a component prefix like "
+                     "'[Attention][TurboQuant] ...'")
+    if not p.values("Bug"):
+        probs.append(f"{where}: no 'Bug:' trailer")
+    for b in p.values("Bug"):
+        if not re.match(r"^https?://\S+$", b):
+            probs.append(f"{where}: 'Bug: {b}' is not a URL")
+    st = p.values("Upstream-Status")
+    if len(st) != 1:
+        probs.append(f"{where}: needs exactly one 'Upstream-Status:' trailer")
+    elif not UPSTREAM_STATUS.match(st[0]):
+        probs.append(f"{where}: invalid 'Upstream-Status: {st[0]}' (Pending | "
+                     "Submitted [URL] | Backport [ref] | Inappropriate [reason])")
+    if not p.values("Tests"):
+        probs.append(f"{where}: no 'Tests:' trailer")
+    for t in p.tests:
+        f = t.split("::", 1)[0]
+        try:
+            check_safe_relpath(f, "test")
+        except UserError:
+            probs.append(f"{where}: test '{t}' is not a path in this project")
+            continue
+        if not (series.root / f).is_file():
+            probs.append(f"{where}: test file '{f}' does not exist")
+    if not p.values("Signed-off-by"):
+        probs.append(f"{where}: no 'Signed-off-by:' trailer")
+    probs += lint_new_python_files(p)
+    return probs
+
+
+def lint_new_python_files(p: Patch) -> list[str]:
+    probs = []
+    for block in re.split(rb"(?m)^(?=diff --git )", p.raw):
+        m = DIFF_GIT.match(block)
+        if not m or b"\nnew file mode " not in block.split(b"\n@@", 1)[0]:
+            continue
+        name = m.group(2).decode()
+        if not name.endswith(".py"):
+            continue
+        added = [ln[1:].decode() for ln in block.split(b"\n")
+                 if ln.startswith(b"+") and not ln.startswith(b"+++")]
+        if tuple(added[:2]) != SPDX and added:
+            probs.append(f"patches/{p.file}: new file {name} lacks vLLM's "
+                         "SPDX header lines")
+    return probs
+
+
+# --------------------------------------------------------------------------
+# where things live
+
+
+def cache_dir() -> Path:
+    if os.environ.get("VLLM_PATCHES_CACHE"):
+        return Path(os.environ["VLLM_PATCHES_CACHE"]).expanduser().resolve()
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base).expanduser().resolve() / TOOL_NAME
+
+
+@contextlib.contextmanager
+def locked(name: str):
+    """One run at a time per repository: the worktrees are shared state."""
+    d = cache_dir() / "locks"
+    d.mkdir(parents=True, exist_ok=True)
+    with open(d / f"{name}.lock", "w") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        yield
+
+
+def ref_label(rev: str) -> str:
+    label = re.sub(r"[^A-Za-z0-9._-]+", "-", rev).strip(".-") or "base"
+    return label[:60]
+
+
+# --------------------------------------------------------------------------
+# bases: a user repository, or a cache repository filled from remotes and
+# release archives
+
+
+RELEASE_TAG = re.compile(r"^v?(\d+\.\d+\.\d+(?:\.post\d+)?)$")
+
+
+@dataclasses.dataclass
+class Base:
+    repo: Path
+    rev: str
+    commit: str
+    source: str  # "repo" | "cache" | "pypi" | "remote"
+    upstream_commit: str | None = None
+
+
+class BaseUnavailable(Exception):
+    def __init__(self, reason: str, hint: str):
+        super().__init__(reason)
+        self.reason, self.hint = reason, hint
+
+
+def find_user_repo(arg: str | None) -> Path | None:
+    if arg:
+        return open_repo(Path(arg).expanduser())
+    env = os.environ.get("VLLM_REPO")
+    if env:
+        return open_repo(Path(env).expanduser())
+    local = Path("vllm")
+    if (local / ".git").exists():
+        return open_repo(local)
+    return None
+
+
+def cache_repo() -> Path:
+    repo = cache_dir() / "vllm.git"
+    if not (repo / "HEAD").exists():
+        repo.parent.mkdir(parents=True, exist_ok=True)
+        git("init", "-q", "--bare", str(repo))
+        git("config", "gc.auto", "0", cwd=repo)
+    return repo
+
+
+def upstream_commit_of(repo: Path, commit: str) -> str | None:
+    msg = gout("log", "-1", "--format=%B", commit, cwd=repo)
+    m = re.search(r"^Upstream-Commit: (\S+)$", msg, re.M)
+    return m.group(1) if m else None
+
+
+def resolve_base(stack: Stack, rev: str | None, user_repo: Path | None,
+                 offline: bool) -> Base:
+    """Find the stack's base, obtaining it into the cache repo if needed."""
+    pins = stack.pins
+    candidates = [rev] if rev else [
+        r for r in (pins.get("commit"), pins.get("tag"), pins.get("branch")) if r
+    ]
+    if user_repo is not None:
+        for r in candidates:
+            c = rev_commit(user_repo, r)
+            if c:
+                return Base(user_repo, r, c, "repo")
+        if rev:
+            raise UserError(f"unknown revision '{rev}' in {user_repo}")
+        raise BaseUnavailable(
+            f"{user_repo} has none of {', '.join(candidates)}",
+            f"git -C {user_repo} {stack.fetch_hint()}")
+    repo = cache_repo()
+    shown = rev or pins.get("tag") or pins.get("commit") or pins["branch"]
+    for r in candidates:
+        c = rev_commit(repo, r)
+        if c:
+            return Base(repo, shown, c, "cache", upstream_commit_of(repo, c))
+    errors = []
+    url = pins.get("repo", UPSTREAM_URL)
+    if not offline:
+        want = rev or pins.get("fetch") or pins.get("commit") or pins.get("tag")
+        if want:
+            c = fetch_remote(repo, url, want)
+            if c:
+                return Base(repo, shown, c, "remote", c)
+            errors.append(f"{url} is unreachable or lacks {want}")
+    release = None
+    tag = rev or pins.get("tag")
+    if tag and RELEASE_TAG.match(tag) and url.rstrip("/") == UPSTREAM_URL:
+        release = RELEASE_TAG.match(tag).group(1)
+    if release is None and rev and RELEASE_TAG.match(rev):
+        release = RELEASE_TAG.match(rev).group(1)
+    if release:
+        c = materialize_release(repo, release)
+        up = upstream_commit_of(repo, c)
+        pin = pins.get("commit")
+        if not rev and pin and up and not pin.startswith(up):
+            say(f"warning: PyPI {release} says it was built from {up}, but the "
+                f"stack pins {pin}")
+        return Base(repo, shown, c, "pypi", up)
+    if rev and re.fullmatch(r"[0-9a-f]{7,40}", rev) is None and not errors:
+        raise UserError(f"unknown revision '{rev}': not a release (vX.Y.Z) and "
+                        "no repository given (--repo)")
+    raise BaseUnavailable(
+        "; ".join(errors) or f"base {shown} is not a release and not cached",
+        f"git -C {repo} {stack.fetch_hint()}")
+
+
+def fetch_remote(repo: Path, url: str, want: str) -> str | None:
+    timeout = float(os.environ.get("VLLM_PATCHES_FETCH_TIMEOUT", "60"))
+    ref = f"refs/{TOOL_NAME}/fetched/{ref_label(want)}"
+    src = want
+    if RELEASE_TAG.match(want):
+        src = f"refs/tags/{want}"
+    try:
+        proc = git("fetch", "--quiet", "--depth=1", "--no-tags", url,
+                   f"+{src}:{ref}", cwd=repo, check=False, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return None
+    if proc.returncode != 0:
+        return None
+    return rev_commit(repo, ref)
+
+
+def pip_platform_args() -> list[str]:
+    # pip matches platform tags exactly: name every glibc a release may target.
+    plats = [f"manylinux_2_{n}_x86_64" for n in range(39, 16, -1)]
+    plats.append("manylinux2014_x86_64")
+    args = ["--python-version", "3.12", "--implementation", "cp"]
+    for p in plats:
+        args += ["--platform", p]
+    return args
+
+
+def release_wheel(version: str) -> Path:
+    """The official wheel of a release: from the cache, or downloaded by pip."""
+    dist = cache_dir() / "dist"
+    dist.mkdir(parents=True, exist_ok=True)
+    found = sorted(dist.glob(f"vllm-{version}-*.whl"))
+    if found:
+        return found[0]
+    say(f"apply.py: downloading the vllm {version} release wheel with pip "
+        "(about 250 MB, once; cached in {})".format(dist))
+    t0 = time.monotonic()
+    with tempfile.TemporaryDirectory(dir=dist) as tmp:
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps",
+               "--only-binary=:all:", "--progress-bar", "off", "--disable-pip-version-check",
+               *pip_platform_args(), "-d", tmp, f"vllm=={version}"]
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True)
+        assert proc.stdout is not None
+        tail = []
+        for line in proc.stdout:
+            line = line.rstrip()
+            if line.startswith("WARNING: Location"):
+                continue
+            tail = (tail + [line])[-5:]
+            if line.startswith(("Collecting", "Downloading", "Saved")):
+                say(f"  pip: {line.strip()}")
+        if proc.wait() != 0:
+            raise BaseUnavailable(
+                f"pip could not download vllm=={version}: {' / '.join(tail)}",
+                f"pip download --no-deps --only-binary=:all: vllm=={version} "
+                f"-d {dist}")
+        got = sorted(Path(tmp).glob(f"vllm-{version}-*.whl"))
+        if not got:
+            raise BaseUnavailable(f"pip gave no vllm {version} wheel",
+                                  f"pip download vllm=={version}")
+        final = dist / got[0].name
+        os.replace(got[0], final)
+    say(f"  downloaded {final.name} ({final.stat().st_size / 1e6:.0f} MB) in "
+        f"{time.monotonic() - t0:.0f} s")
+    return final
+
+
+def materialize_release(repo: Path, version: str,
+                        wheel: Path | None = None) -> str:
+    """Commit a release's Python sources (from its wheel) as tag vX.Y.Z.
+
+    One root commit per release, all of vllm/ but compiled extensions, with
+    fixed author, committer and date, so the same release gives the same
+    commit id everywhere. The upstream commit the release was built from
+    (vllm/_version.py's __commit_id__) is recorded as a trailer.
+    """
+    tag = f"v{version}"
+    c = rev_commit(repo, f"refs/tags/{tag}")
+    if c:
+        return c
+    wheel = wheel or release_wheel(version)
+    say(f"apply.py: committing {wheel.name} as {tag} in {repo}")
+    upstream = None
+    stream = tempfile.TemporaryFile()
+    with zipfile.ZipFile(wheel) as zf:
+        names = sorted(n for n in zf.namelist()
+                       if n.startswith("vllm/") and not n.endswith("/")
+                       and not re.search(r"\.so(\.\d+)*$", n))
+        if not names:
+            raise UserError(f"{wheel}: no vllm/ sources inside")
+        for n in names:
+            data = zf.read(n)
+            mode = "100755" if (zf.getinfo(n).external_attr >> 16) & 0o111 else \
+                "100644"
+            if n == "vllm/_version.py":
+                m = re.search(rb"__commit_id__ = commit_id = '(?:g)?([0-9a-f]+)'",
+                              data)
+                upstream = m.group(1).decode() if m else None
+            stream.write(f"M {mode} inline {n}\ndata {len(data)}\n".encode())
+            stream.write(data + b"\n")
+    msg = (f"vLLM {version} (Python sources of the release wheel)\n\n"
+           f"Materialized by apply.py from {wheel.name}: every file under vllm/\n"
+           "except compiled extensions.\n\n"
+           f"Release: {version}\n"
+           + (f"Upstream-Commit: {upstream}\n" if upstream else "")).encode()
+    ident = f"{IDENTITY[0]} <{IDENTITY[1]}> {BASE_DATE}"
+    header = (f"commit refs/{TOOL_NAME}/import\n"
+              f"author {ident}\ncommitter {ident}\n"
+              f"data {len(msg)}\n").encode() + msg + b"deleteall\n"
+    stream.seek(0)
+    fi = subprocess.Popen(["git", "fast-import", "--quiet", "--force"],
+                          cwd=repo, stdin=subprocess.PIPE)
+    assert fi.stdin is not None
+    fi.stdin.write(header)
+    shutil.copyfileobj(stream, fi.stdin)
+    fi.stdin.write(b"\n")
+    fi.stdin.close()
+    if fi.wait() != 0:
+        raise UserError(f"git fast-import failed while committing {wheel.name}")
+    c = gout("rev-parse", f"refs/{TOOL_NAME}/import", cwd=repo)
+    git("update-ref", f"refs/tags/{tag}", c, cwd=repo)
+    git("update-ref", "-d", f"refs/{TOOL_NAME}/import", cwd=repo)
+    return c
+
+
+# --------------------------------------------------------------------------
+# worktrees of the tool's own
+
+
+def worktree(repo: Path, key: str, commit: str) -> Path:
+    """A worktree of the tool's own at `commit`, reused and reset between runs.
+
+    Whatever a killed run left (an am in progress, a stale index lock, a
+    half-made worktree) is cleared here, so the next run starts clean.
+    """
+    rid = hashlib.sha1(str(git_common_dir(repo)).encode()).hexdigest()[:10]
+    path = cache_dir() / "worktrees" / rid / key
+    listed = gout("worktree", "list", "--porcelain", cwd=repo)
+    registered = f"worktree {path}" in listed.splitlines()
+    usable = registered and (path / ".git").is_file()
+    if usable:
+        admin = Path(gout("rev-parse", "--path-format=absolute", "--git-dir",
+                          cwd=path))
+        for stale in ("index.lock", "HEAD.lock"):
+            (admin / stale).unlink(missing_ok=True)
+        shutil.rmtree(admin / "rebase-apply", ignore_errors=True)
+        proc = git("reset", "-q", "--hard", commit, cwd=path, check=False)
+        usable = proc.returncode == 0
+        if usable:
+            git("checkout", "-q", "--detach", commit, cwd=path)
+            git("clean", "-fdq", "-e", "__pycache__", cwd=path)
+    if not usable:
+        if registered:
+            git("worktree", "remove", "--force", "--force", str(path), cwd=repo,
+                check=False)
+        shutil.rmtree(path, ignore_errors=True)
+        git("worktree", "prune", cwd=repo)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        git("worktree", "add", "-q", "--detach", str(path), commit, cwd=repo)
+    return path
+
+
+# --------------------------------------------------------------------------
+# applying
+
+
+@dataclasses.dataclass
+class PatchResult:
+    file: str
+    apply: str = "skipped"  # clean | 3way | conflict | not-needed | skipped
+    regression_base: str = "skip"
+    regression_patched: str = "skip"
+    tests: str = "skip"
+    seconds: float = 0.0
+    conflict_files: list[str] = dataclasses.field(default_factory=list)
+    detail: str = ""
+    test_outcomes: dict[str, dict[str, str]] = dataclasses.field(
+        default_factory=dict)
+
+    def ok(self) -> bool:
+        if self.apply == "not-needed":
+            return True
+        return (self.apply in ("clean", "3way") and self.regression_base == "fail"
+                and self.regression_patched == "pass"
+                and self.tests in ("pass", "skip"))
+
+    def to_json(self) -> dict:
+        d = {"file": self.file, "apply": self.apply,
+             "regression": {"base": self.regression_base,
+                            "patched": self.regression_patched},
+             "tests": self.tests, "seconds": round(self.seconds, 2)}
+        if self.conflict_files:
+            d["conflict_files"] = self.conflict_files
+        if self.detail:
+            d["detail"] = self.detail
+        if self.test_outcomes:
+            d["test_outcomes"] = self.test_outcomes
+        return d
+
+
+def am(wt: Path, patches: list[Path], three_way: bool) -> subprocess.CompletedProcess:
+    return git("am", "-q", "-k", "--committer-date-is-author-date",
+               "--3way" if three_way else "--no-3way", *map(str, patches),
+               cwd=wt, check=False, config=AM_CONFIG)
+
+
+def conflicted_files(wt: Path, am_output: str) -> list[str]:
+    files = gout("diff", "--name-only", "--diff-filter=U", cwd=wt).splitlines()
+    if not files:
+        for m in re.finditer(r"error: (?:patch failed: |)([^:\s]+)(?::\d+| does not"
+                             r" exist in index|: No such file)", am_output):
+            if m.group(1) not in files:
+                files.append(m.group(1))
+    return files
+
+
+def apply_stack(wt: Path, patches: list[Patch],
+                results: dict[str, PatchResult]) -> list[Patch]:
+    """git am the patches in order; returns those that stopped on a conflict.
+
+    The whole stack goes through one git am, as fast as plain git am. A patch
+    that does not apply as is is retried alone with the 3-way fallback.
+    Conflicting patches are left out (their later patches still tried).
+    """
+    todo = list(patches)
+    conflicts: list[Patch] = []
+    while todo:
+        start = gout("rev-parse", "HEAD", cwd=wt)
+        t0 = time.monotonic()
+        proc = am(wt, [p.path for p in todo], three_way=False)
+        n = int(gout("rev-list", "--count", f"{start}..HEAD", cwd=wt))
+        dt = (time.monotonic() - t0) / max(1, n + (proc.returncode != 0))
+        for p in todo[:n]:
+            results[p.file].apply = "clean"
+            results[p.file].seconds += dt
+        if proc.returncode == 0:
+            break
+        git("am", "--quit", cwd=wt, check=False)
+        git("reset", "-q", "--hard", "HEAD", cwd=wt)
+        stuck = todo[n]
+        todo = todo[n + 1:]
+        t0 = time.monotonic()
+        proc3 = am(wt, [stuck.path], three_way=True)
+        res = results[stuck.file]
+        res.seconds += time.monotonic() - t0
+        if proc3.returncode == 0:
+            res.apply = "3way"
+            continue
+        out = (proc.stdout + proc.stderr + proc3.stdout + proc3.stderr).decode(
+            errors="replace")
+        res.apply = "conflict"
+        res.conflict_files = conflicted_files(wt, out)
+        res.detail = "; ".join(ln for ln in out.splitlines()
+                               if ln.startswith("error:"))[:500]
+        git("am", "--abort", cwd=wt, check=False)
+        conflicts.append(stuck)
+    return conflicts
+
+
+# --------------------------------------------------------------------------
+# targeted tests
+
+
+def test_python(arg: str | None) -> str:
+    if arg:
+        return arg
+    if os.environ.get("VLLM_PATCHES_PYTHON"):
+        return os.environ["VLLM_PATCHES_PYTHON"]
+    venv = PROJECT / ".venv" / "bin" / "python"
+    return str(venv) if venv.exists() else sys.executable
+
+
+def run_tests(root: Path, tree: Path, node_ids: list[str], python: str,
+              label: str) -> tuple[dict[str, tuple[str, float]], str]:
+    """Run pytest on node ids against a tree; outcome and seconds per id."""
+    if not node_ids:
+        return {}, ""
+    with tempfile.TemporaryDirectory() as tmp:
+        xml = Path(tmp) / "junit.xml"
+        env = dict(os.environ, VLLM_TREE=str(tree), PYTHONUNBUFFERED="1")
+        cmd = [python, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+               "-o", "junit_family=xunit1", f"--junitxml={xml}", *node_ids]
+        say(f"apply.py: pytest ({label}): {len(node_ids)} node id(s)")
+        timeout = float(os.environ.get("VLLM_PATCHES_TEST_TIMEOUT", "3600"))
+        try:
+            proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True,
+                                  text=True, timeout=timeout)
+            output = proc.stdout + proc.stderr
+        except subprocess.TimeoutExpired as e:
+            output = f"pytest timed out after {timeout:.0f} s\n{e.stdout or ''}"
+        except OSError as e:
+            raise UserError(f"cannot run the test Python '{python}': {e}") from None
+        cases = parse_junit(xml) if xml.exists() else []
+    out: dict[str, tuple[str, float]] = {}
+    for nid in node_ids:
+        mine = [(o, s) for cid, o, s in cases if covers(nid, cid)]
+        if not mine:
+            out[nid] = ("error", 0.0)
+            continue
+        outs = {o for o, _ in mine}
+        secs = sum(s for _, s in mine)
+        for o in ("error", "fail", "pass", "skip"):
+            if o in outs and (o in ("error", "fail") or outs == {o} or
+                              (o == "pass" and outs <= {"pass", "skip"})):
+                out[nid] = (o, secs)
+                break
+    return out, output
+
+
+def covers(requested: str, case: str) -> bool:
+    if case == requested:
+        return True
+    if case.startswith(requested + "::") or case.startswith(requested + "["):
+        return True
+    # a collection error is reported against the module
+    return "::" not in case and requested.split("::")[0] == case
+
+
+def parse_junit(xml: Path) -> list[tuple[str, str, float]]:
+    cases = []
+    for tc in ET.parse(xml).getroot().iter("testcase"):
+        f = tc.get("file") or ""
+        cls = tc.get("classname") or ""
+        name = tc.get("name") or ""
+        if not f:
+            mod, _, rest = cls.partition(".Test")
+            parts = cls.split(".")
+            # classname is module path dotted, possibly with a Test class
+            guess = [p for p in parts]
+            f = "/".join(guess) + ".py"
+            while guess and not guess[-1].startswith("test"):
+                guess = guess[:-1]
+            f = "/".join(guess) + ".py" if guess else f
+            klass = cls[len(".".join(guess)) + 1:] if guess else ""
+        else:
+            klass = ""
+        if not cls and name:  # collection error: name is the module
+            cid = name.replace(".", "/") + ".py"
+        else:
+            cid = "::".join(x for x in (f, klass, name) if x)
+        if tc.find("failure") is not None:
+            o = "fail"
+        elif tc.find("error") is not None:
+            o = "error"
+        elif tc.find("skipped") is not None:
+            o = "skip"
+        else:
+            o = "pass"
+        cases.append((cid, o, float(tc.get("time") or 0.0)))
+    return cases
+
+
+def aggregate(outcomes: list[str], want_fail: bool) -> str:
+    if not outcomes:
+        return "skip"
+    s = set(outcomes)
+    if want_fail:  # every regression test must fail on the base
+        if s == {"fail"}:
+            return "fail"
+        if s == {"pass"}:
+            return "pass"
+        if s == {"skip"}:
+            return "skip"
+        return "error" if "error" in s else "pass"
+    if "error" in s:
+        return "error"
+    if "fail" in s:
+        return "fail"
+    return "skip" if s == {"skip"} else "pass"
+
+
+# --------------------------------------------------------------------------
+# the main job
+
+
+def run_stack(series: Series, stack: Stack, rev: str | None,
+              user_repo: Path | None, args: argparse.Namespace) -> dict:
+    t_stack = time.monotonic()
+    rep: dict = {"name": stack.name, "pins": stack.pins,
+                 "base": rev or stack.pins.get("tag") or stack.pins.get("commit")}
+    try:
+        base = resolve_base(stack, rev, user_repo, args.offline)
+    except BaseUnavailable as e:
+        rep.update(status="skipped", reason=e.reason, fetch=e.hint,
+                   patches=[PatchResult(p).to_json() for p in stack.patches])
+        return rep
+    rep.update(base=base.rev, base_commit=base.commit, source=base.source,
+               repo=str(base.repo))
+    if base.upstream_commit:
+        rep["upstream_commit"] = base.upstream_commit
+    patches = [load_patch(series, p) for p in stack.patches]
+    results = {p.file: PatchResult(p.file) for p in patches}
+    label = ref_label(base.rev)
+    with locked(hashlib.sha1(str(git_common_dir(base.repo)).encode())
+                .hexdigest()[:10]):
+        wt = worktree(base.repo, f"{stack.name}-patched", base.commit)
+        conflicts = apply_stack(wt, patches, results)
+        head = gout("rev-parse", "HEAD", cwd=wt)
+        branch = f"{REF_NS}/{stack.name}/{label}"
+        git("update-ref", branch, head, cwd=base.repo)
+        rep.update(branch=branch, head=head, worktree=str(wt))
+        if not args.no_tests:
+            base_wt = worktree(base.repo, f"{stack.name}-base", base.commit)
+            python = test_python(args.python)
+            reg_ids: list[str] = []
+            for p in patches:
+                reg_ids += [t for t in p.regression if t not in reg_ids]
+            on_base, log_base = run_tests(series.root, base_wt, reg_ids, python,
+                                          f"{stack.name}, unpatched base")
+            applied = [p for p in patches if results[p.file].apply in
+                       ("clean", "3way")]
+            all_ids: list[str] = []
+            for p in applied:
+                all_ids += [t for t in p.tests if t not in all_ids]
+            on_patched, log_patched = run_tests(
+                series.root, wt, all_ids, python, f"{stack.name}, patched")
+            for p in patches:
+                r = results[p.file]
+                r.regression_base = aggregate(
+                    [on_base[t][0] for t in p.regression if t in on_base], True)
+                r.seconds += sum(on_base[t][1] for t in p.regression if t in on_base)
+                r.test_outcomes["base"] = {t: on_base[t][0] for t in p.regression
+                                           if t in on_base}
+                if p in conflicts and r.regression_base == "pass":
+                    r.apply = "not-needed"
+                    r.detail = ("does not apply, and its regression tests pass "
+                                "on the unpatched base")
+                if r.apply not in ("clean", "3way"):
+                    continue
+                r.regression_patched = aggregate(
+                    [on_patched[t][0] for t in p.regression], False)
+                rest = [t for t in p.tests if t not in p.regression]
+                r.tests = aggregate([on_patched[t][0] for t in p.tests], False)
+                r.seconds += sum(on_patched[t][1] for t in rest)
+                r.seconds += sum(on_patched[t][1] for t in p.regression)
+                r.test_outcomes["patched"] = {t: on_patched[t][0] for t in p.tests}
+            rep["logs"] = {"base": log_base[-20000:], "patched": log_patched[-20000:]}
+    rep["status"] = "ran"
+    rep["patches"] = [results[p.file].to_json() for p in patches]
+    rep["ok"] = all(results[p.file].ok() for p in patches) if not args.no_tests \
+        else all(results[p.file].apply in ("clean", "3way") for p in patches)
+    rep["seconds"] = round(time.monotonic() - t_stack, 2)
+    return rep
+
+
+def print_table(report: dict) -> None:
+    for st in report["stacks"]:
+        print()
+        if st["status"] == "skipped":
+            print(f"== stack {st['name']}: SKIPPED, not verified: base "
+                  f"{st['base']} unavailable")
+            print(f"   reason: {st['reason']}")
+            print(f"   to get it: {st['fetch']}")
+            continue
+        src = st["source"]
+        up = f", upstream {st['upstream_commit']}" if st.get("upstream_commit") else ""
+        print(f"== stack {st['name']} on {st['base']} ({st['base_commit'][:12]}, "
+              f"from {src}{up})")
+        rows = [("patch", "apply", "regr. base", "regr. patched", "tests", "secs")]
+        for p in st["patches"]:
+            rows.append((p["file"], p["apply"], p["regression"]["base"],
+                         p["regression"]["patched"], p["tests"],
+                         f"{p['seconds']:.1f}"))
+        widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+        for i, r in enumerate(rows):
+            print("  " + "  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
+            if i == 0:
+                print("  " + "  ".join("-" * w for w in widths))
+        for p in st["patches"]:
+            if p.get("conflict_files"):
+                print(f"  {p['file']}: conflicts in {', '.join(p['conflict_files'])}")
+        print(f"  result: {'OK' if st['ok'] else 'FAILED'}; patched tree: "
+              f"{st['branch']} in {st['repo']}")
+    skipped = [s for s in report["stacks"] if s["status"] == "skipped"]
+    if skipped:
+        print()
+        print("WARNING: not verified (base unavailable): " +
+              ", ".join(s["name"] for s in skipped))
+
+
+def cmd_apply(args: argparse.Namespace) -> int:
+    series = parse_series(Path(args.series))
+    check_agreement(series)
+    for s in series.stacks:
+        for p in s.patches:
+            load_patch(series, p)
+    user_repo = find_user_repo(args.repo)
+    if args.base and not args.stack and len(series.stacks) > 1:
+        say(f"apply.py: --base without --stack: using the first stack, "
+            f"'{series.stacks[0].name}'")
+    stacks = [series.stack(args.stack)] if (args.stack or args.base) else \
+        series.stacks
+    report = {"tool": "apply.py", "series": str(series.path), "stacks": []}
+    for st in stacks:
+        report["stacks"].append(run_stack(series, st, args.base, user_repo, args))
+    ran = [s for s in report["stacks"] if s["status"] == "ran"]
+    failed = [s for s in ran if not s["ok"]]
+    skipped = [s for s in report["stacks"] if s["status"] == "skipped"]
+    code = 1 if failed or (args.require_all and skipped) or not ran else 0
+    report["exit_code"] = code
+    print_table(report)
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
+        print(f"report: {args.json}")
+    return code
+
+
+# --------------------------------------------------------------------------
+# check
+
+
+def check_agreement(series: Series) -> None:
+    """Every patch file is in the series (or recorded there), and vice versa."""
+    listed = {p for s in series.stacks for p in s.patches}
+    recorded = {r["file"] for s in series.stacks for r in s.not_needed}
+    on_disk = {p.relative_to(series.patches_dir).as_posix()
+               for p in series.patches_dir.rglob("*.patch")}
+    for extra in sorted(on_disk - listed - recorded):
+        raise UserError(f"patches/{extra} is not in the series (list it, or "
+                        "remove the file)")
+    for gone in sorted(recorded - on_disk):
+        raise UserError(f"series: not-needed record for missing patches/{gone}")
+
+
+def cmd_check(args: argparse.Namespace) -> int:
+    series = parse_series(Path(args.series))
+    check_agreement(series)
+    problems: list[str] = []
+    checked = 0
+    for st in series.stacks:
+        loaded = []
+        for entry in st.patches:
+            p = load_patch(series, entry)
+            problems += lint_patch(series, p)
+            loaded.append(p)
+            checked += 1
+        problems += roundtrip(series, st, loaded, find_user_repo(args.repo))
+    for pr in problems:
+        print(pr)
+    if problems:
+        say(f"apply.py check: {len(problems)} problem(s)")
+        return 1
+    print(f"apply.py check: {checked} patches in {len(series.stacks)} stacks: ok")
+    return 0
+
+
+def roundtrip(series: Series, stack: Stack, patches: list[Patch],
+              user_repo: Path | None) -> list[str]:
+    """Re-export each patch from its base (when at hand) and compare bytes.
+
+    Offline and without a checkout: the patches are applied to the base's
+    tree in a temporary index, committed with their own author, date and
+    message, and exported again.
+    """
+    base = None
+    for repo in (user_repo, cache_dir() / "vllm.git"):
+        if repo is None or not (repo.is_dir() and
+                                (repo / "HEAD").exists() or (repo / ".git").exists()):
+            continue
+        for r in (stack.pins.get("commit"), stack.pins.get("tag"),
+                  stack.pins.get("branch")):
+            base = rev_commit(repo, r) if r else None
+            if base:
+                break
+        if base:
+            break
+    if base is None:
+        print(f"note: stack {stack.name}: base not at hand, export round-trip "
+              "not checked (run 'apply.py base --stack NAME' first)")
+        return []
+    probs = []
+    with tempfile.TemporaryDirectory() as tmp:
+        env = {"GIT_INDEX_FILE": str(Path(tmp) / "index")}
+        git("read-tree", base, cwd=repo, env=env)
+        parent = base
+        for p in patches:
+            info = git("mailinfo", "-k", "-b", str(Path(tmp) / "msg"),
+                       str(Path(tmp) / "diff"), cwd=repo, input=p.raw).stdout
+            hdr = dict(ln.split(": ", 1) for ln in info.decode().splitlines()
+                       if ": " in ln)
+            msg = hdr.get("Subject", "") + "\n\n" + (Path(tmp) / "msg").read_text()
+            proc = git("apply", "--cached", str(Path(tmp) / "diff"), cwd=repo,
+                       env=env, check=False)
+            if proc.returncode != 0:
+                probs.append(f"patches/{p.file}: does not apply to the stack's "
+                             "base in order")
+                break
+            tree = gout("write-tree", cwd=repo, env=env)
+            cenv = dict(env, GIT_AUTHOR_NAME=hdr.get("Author", ""),
+                        GIT_AUTHOR_EMAIL=hdr.get("Email", ""),
+                        GIT_AUTHOR_DATE=hdr.get("Date", ""),
+                        GIT_COMMITTER_NAME=IDENTITY[0],
+                        GIT_COMMITTER_EMAIL=IDENTITY[1],
+                        GIT_COMMITTER_DATE=hdr.get("Date", ""))
+            commit = gout("commit-tree", tree, "-p", parent, cwd=repo, env=cenv,
+                          input=msg.rstrip("\n").encode() + b"\n")
+            again = format_patch(repo, commit)
+            if again != p.raw:
+                probs.append(f"patches/{p.file}: re-export differs (not a "
+                             "deterministic export; use 'apply.py format-patch')")
+            parent = commit
+    if not probs:
+        print(f"stack {stack.name}: export round-trip on {base[:12]}: "
+              "byte-identical")
+    return probs
+
+
+# --------------------------------------------------------------------------
+# test, base, format-patch
+
+
+def cmd_test(args: argparse.Namespace) -> int:
+    series = parse_series(Path(args.series))
+    tree = Path(args.tree).expanduser().resolve()
+    if not (tree / "vllm" / "__init__.py").is_file():
+        raise UserError(f"{tree}: not a vLLM tree (no vllm/__init__.py)")
+    entries = [p for s in series.stacks for p in s.patches]
+    chosen = []
+    for want in args.patches or entries:
+        match = [e for e in entries if e == want or Path(e).name == want
+                 or Path(e).name.startswith(want)]
+        if len(match) != 1:
+            raise UserError(f"'{want}': no single patch of the series matches")
+        chosen.append(load_patch(series, match[0]))
+    ids: list[str] = []
+    for p in chosen:
+        ids += [t for t in p.tests if t not in ids]
+    out, log = run_tests(series.root, tree, ids, test_python(args.python), "tree")
+    print(log.rstrip()[-4000:])
+    rows = []
+    code = 0
+    for p in chosen:
+        r = aggregate([out[t][0] for t in p.tests], False)
+        rows.append({"file": p.file, "tests": r,
+                     "outcomes": {t: out[t][0] for t in p.tests}})
+        print(f"  {p.file}: {r}")
+        if r in ("fail", "error"):
+            code = 1
+    if args.json:
+        Path(args.json).write_text(json.dumps({"tree": str(tree), "patches": rows},
+                                              indent=2) + "\n")
+    return code
+
+
+def cmd_base(args: argparse.Namespace) -> int:
+    series = parse_series(Path(args.series), need_patches=False)
+    stack = series.stack(args.stack)
+    user_repo = find_user_repo(args.repo)
+    try:
+        base = resolve_base(stack, args.rev, user_repo, args.offline)
+    except BaseUnavailable as e:
+        say(f"apply.py: base unavailable: {e.reason}\n  to get it: {e.hint}")
+        return 1
+    up = f" upstream={base.upstream_commit}" if base.upstream_commit else ""
+    print(f"{base.rev} {base.commit} repo={base.repo} source={base.source}{up}")
+    return 0
+
+
+def cmd_format_patch(args: argparse.Namespace) -> int:
+    repo = open_repo(Path(args.repo))
+    if not rev_commit(repo, args.rev):
+        raise UserError(f"unknown revision '{args.rev}' in {repo}")
+    data = format_patch(repo, args.rev)
+    if args.out:
+        Path(args.out).write_bytes(data)
+    else:
+        sys.stdout.buffer.write(data)
+    return 0
+
+
+# --------------------------------------------------------------------------
+# command line
+
+
+def parser() -> argparse.ArgumentParser:
+    fmt = argparse.RawDescriptionHelpFormatter
+    p = argparse.ArgumentParser(
+        prog="apply.py", formatter_class=fmt,
+        description="Apply the vLLM patch series onto a base, run each patch's "
+        "targeted tests, and report.",
+        epilog="examples:\n"
+        "  python apply.py                      # every stack at its pin\n"
+        "  python apply.py --base v0.20.2 --repo ~/src/vllm --json out.json\n"
+        "commands: check, test, base, format-patch (each has --help)\n"
+        "exit: 0 ok, 1 conflict or test failure, 2 bad input")
+    p.add_argument("--series", default=str(PROJECT / "series"),
+                   help="series file (default: ./series beside apply.py)")
+    p.add_argument("--base", help="base revision (default: each stack's pin)")
+    p.add_argument("--repo", help="vLLM git repository (default: $VLLM_REPO, "
+                   "./vllm, else the tool's cache filled from a remote or PyPI)")
+    p.add_argument("--stack", help="stack to apply (default: all; with --base, "
+                   "the first)")
+    p.add_argument("--json", help="write the JSON report here")
+    p.add_argument("--require-all", action="store_true",
+                   help="a stack skipped for want of its base is an error")
+    p.add_argument("--no-tests", action="store_true", help="apply only")
+    p.add_argument("--offline", action="store_true",
+                   default=bool(os.environ.get("VLLM_PATCHES_OFFLINE")),
+                   help="never try git remotes (also $VLLM_PATCHES_OFFLINE=1)")
+    p.add_argument("--python", help="Python that runs the targeted tests "
+                   "(default: $VLLM_PATCHES_PYTHON, ./.venv, this one)")
+    sub = p.add_subparsers(dest="cmd", metavar="COMMAND")
+
+    c = sub.add_parser("check", formatter_class=fmt,
+                       help="lint the series and patches (fast, offline)",
+                       description="Check that series and patches/ agree, every "
+                       "patch parses with the required trailers, touches only "
+                       "safe paths, and re-exports byte-identically.",
+                       epilog="example:\n  python apply.py check")
+    c.set_defaults(func=cmd_check)
+
+    t = sub.add_parser("test", formatter_class=fmt,
+                       help="run patches' targeted tests against a tree",
+                       description="Run the targeted tests (Tests: trailers) of "
+                       "the given patches (default: all) against a vLLM tree.",
+                       epilog="example:\n  python apply.py test 0002 --tree "
+                       "~/src/vllm")
+    t.add_argument("patches", nargs="*", help="patch file names or prefixes")
+    t.add_argument("--tree", required=True, help="vLLM source tree root")
+    t.add_argument("--json", help="write results here")
+    t.set_defaults(func=cmd_test)
+
+    b = sub.add_parser("base", formatter_class=fmt,
+                       help="obtain a base (remote or PyPI release) and print it",
+                       description="Resolve a stack's base, obtaining it into "
+                       "the tool's cache repository if needed.",
+                       epilog="example:\n  python apply.py base v0.21.0")
+    b.add_argument("rev", nargs="?", help="revision (default: the stack's pin)")
+    b.set_defaults(func=cmd_base)
+
+    f = sub.add_parser("format-patch", formatter_class=fmt,
+                       help="export one commit deterministically",
+                       description="Export one commit as a patch file with the "
+                       "series' pinned format-patch flags.",
+                       epilog="example:\n  python apply.py format-patch --repo "
+                       "../vllm HEAD --out patches/tq/0004-x.patch")
+    f.add_argument("rev", nargs="?", default="HEAD")
+    f.add_argument("--repo", required=True)
+    f.add_argument("--out")
+    f.set_defaults(func=cmd_format_patch)
+    # The global options work after the command too.
+    for sp in (c, t, b, f):
+        sp.add_argument("--series", default=argparse.SUPPRESS,
+                        help="series file")
+    for sp in (t, b):
+        sp.add_argument("--python", default=argparse.SUPPRESS,
+                        help="Python that runs the targeted tests")
+        sp.add_argument("--offline", action="store_true",
+                        default=argparse.SUPPRESS, help="never try git remotes")
+    b.add_argument("--stack", default=argparse.SUPPRESS, help="stack name")
+    for sp in (b, c):
+        sp.add_argument("--repo", default=argparse.SUPPRESS,
+                        help="vLLM repository")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    try:
+        if getattr(args, "func", None):
+            return args.func(args)
+        return cmd_apply(args)
+    except UserError as e:
+        say(f"apply.py: error: {e}")
+        return 2
+    except GitError as e:
+        say(f"apply.py: error: {e}")
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

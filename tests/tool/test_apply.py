@@ -1,0 +1,249 @@
+"""apply.py's main job, on fixture repositories, run as a user runs it."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from conftest import (
+    APPLY,
+    FIXED_ADD,
+    MOD_V1,
+    REG_ADD,
+    REG_SCALE,
+    Fixture,
+    git,
+    standard_stack,
+)
+
+
+def patch_rows(rep: dict, stack: str = "fx") -> dict[str, dict]:
+    st = next(s for s in rep["stacks"] if s["name"] == stack)
+    return {p["file"]: p for p in st["patches"]}
+
+
+def test_clean_apply_report_and_branch(fx: Fixture) -> None:
+    standard_stack(fx)
+    before = fx.snapshot()
+    out = fx.tmp / "r.json"
+    p = fx.run("--repo", str(fx.upstream), "--json", str(out))
+    assert p.returncode == 0, p.stdout + p.stderr
+    rep = fx.report(out)
+    rows = patch_rows(rep)
+    for f in ("fx/0001-fix-add.patch", "fx/0002-fix-scale.patch"):
+        assert rows[f]["apply"] == "clean"
+        assert rows[f]["regression"] == {"base": "fail", "patched": "pass"}
+        assert rows[f]["tests"] == "pass"
+        assert rows[f]["seconds"] >= 0
+    st = rep["stacks"][0]
+    assert st["base_commit"] == git("rev-parse", "v1.0.0", cwd=fx.upstream)
+    assert st["branch"] == "refs/heads/patched/fx/v1.0.0"
+    head = git("rev-parse", "refs/heads/patched/fx/v1.0.0", cwd=fx.upstream)
+    assert git("show", f"{head}:vllm/mod.py", cwd=fx.upstream) + "\n" == \
+        FIXED_ADD.replace("return x * 2", "return x * 1")
+    assert git("rev-list", "--count", f"v1.0.0..{head}", cwd=fx.upstream) == "2"
+    # the table a person reads
+    assert "fx/0001-fix-add.patch" in p.stdout and "clean" in p.stdout
+    assert "refs/heads/patched/fx/v1.0.0" in p.stdout
+    assert fx.snapshot() == before
+
+
+def test_rerun_is_deterministic_and_reuses_worktree(fx: Fixture) -> None:
+    standard_stack(fx)
+    assert fx.run("--repo", str(fx.upstream), "--no-tests").returncode == 0
+    first = git("rev-parse", "refs/heads/patched/fx/v1.0.0", cwd=fx.upstream)
+    assert fx.run("--repo", str(fx.upstream), "--no-tests").returncode == 0
+    assert git("rev-parse", "refs/heads/patched/fx/v1.0.0", cwd=fx.upstream) == first
+
+
+def test_context_drift_uses_three_way(fx: Fixture) -> None:
+    standard_stack(fx)
+    # upstream changes a context line of 0001's hunk, away from the fixed line
+    git("checkout", "-q", "--detach", "v1.0.0", cwd=fx.tmp / "work")
+    work = fx.tmp / "work"
+    (work / "vllm" / "mod.py").write_text(MOD_V1.replace("\n\n\ndef add",
+                                                         "\n# helpers\n\ndef add"))
+    git("commit", "-q", "-am", "drift", cwd=work)
+    git("push", "-q", str(fx.upstream), "HEAD:refs/tags/v1.0.1", cwd=work)
+    before = fx.snapshot()
+    out = fx.tmp / "r.json"
+    p = fx.run("--repo", str(fx.upstream), "--base", "v1.0.1", "--json", str(out))
+    assert p.returncode == 0, p.stdout + p.stderr
+    rows = patch_rows(fx.report(out))
+    assert rows["fx/0001-fix-add.patch"]["apply"] == "3way"
+    assert rows["fx/0002-fix-scale.patch"]["apply"] == "clean"
+    assert rows["fx/0001-fix-add.patch"]["regression"]["patched"] == "pass"
+    assert fx.snapshot() == before
+
+
+def test_true_conflict_exit_1_names_patch_and_files(fx: Fixture) -> None:
+    standard_stack(fx)
+    before = fx.snapshot()
+    out = fx.tmp / "r.json"
+    # v1.1.0 changed scale() to x * 3: 0002 conflicts, and its regression test
+    # still fails there, so it is a real conflict
+    p = fx.run("--repo", str(fx.upstream), "--base", "v1.1.0", "--json", str(out))
+    assert p.returncode == 1, p.stdout + p.stderr
+    rows = patch_rows(fx.report(out))
+    assert rows["fx/0001-fix-add.patch"]["apply"] == "clean"
+    bad = rows["fx/0002-fix-scale.patch"]
+    assert bad["apply"] == "conflict"
+    assert bad["conflict_files"] == ["vllm/mod.py"]
+    assert bad["regression"]["base"] == "fail"
+    assert "conflicts in vllm/mod.py" in p.stdout
+    assert fx.snapshot() == before
+    # the branch holds what did apply, nothing half-applied
+    head = git("rev-parse", "refs/heads/patched/fx/v1.1.0", cwd=fx.upstream)
+    assert git("rev-list", "--count", f"v1.1.0..{head}", cwd=fx.upstream) == "1"
+
+
+def test_not_needed_when_upstream_fixed_it_differently(fx: Fixture) -> None:
+    standard_stack(fx)
+    work = fx.tmp / "work"
+    git("checkout", "-q", "--detach", "v1.0.0", cwd=work)
+    (work / "vllm" / "mod.py").write_text(MOD_V1.replace("return x * 2",
+                                                         "return x  # fixed"))
+    git("commit", "-q", "-am", "upstream fix", cwd=work)
+    git("push", "-q", str(fx.upstream), "HEAD:refs/tags/v1.2.0", cwd=work)
+    out = fx.tmp / "r.json"
+    p = fx.run("--repo", str(fx.upstream), "--base", "v1.2.0", "--json", str(out))
+    assert p.returncode == 0, p.stdout + p.stderr
+    rows = patch_rows(fx.report(out))
+    assert rows["fx/0002-fix-scale.patch"]["apply"] == "not-needed"
+    assert rows["fx/0002-fix-scale.patch"]["regression"]["base"] == "pass"
+    assert rows["fx/0001-fix-add.patch"]["apply"] == "clean"
+
+
+def test_regression_passing_on_base_is_a_failure(fx: Fixture) -> None:
+    standard_stack(fx)
+    # a regression test that cannot fail proves nothing: exit 1
+    (fx.project / "tests" / "patches" / "test_scale.py").write_text(
+        "def test_scale_regression():\n    assert True\n")
+    out = fx.tmp / "r.json"
+    p = fx.run("--repo", str(fx.upstream), "--json", str(out))
+    assert p.returncode == 1
+    assert patch_rows(fx.report(out))["fx/0002-fix-scale.patch"]["regression"][
+        "base"] == "pass"
+
+
+def test_failing_targeted_test_exit_1(fx: Fixture) -> None:
+    standard_stack(fx)
+    (fx.project / "tests" / "patches" / "test_add.py").write_text(
+        (fx.project / "tests" / "patches" / "test_add.py").read_text()
+        + "\n\ndef test_broken():\n    assert False\n")
+    out = fx.tmp / "r.json"
+    p = fx.run("--repo", str(fx.upstream), "--json", str(out))
+    assert p.returncode == 1
+    row = patch_rows(fx.report(out))["fx/0001-fix-add.patch"]
+    assert row["regression"]["patched"] == "pass"
+    assert row["tests"] == "fail"
+
+
+def test_repo_from_environment_and_local_dir(fx: Fixture) -> None:
+    standard_stack(fx)
+    p = fx.run("--no-tests", env={"VLLM_REPO": str(fx.upstream)})
+    assert p.returncode == 0, p.stderr
+    git("clone", "-q", str(fx.upstream), str(fx.tmp / "vllm"), cwd=fx.tmp)
+    p = fx.run("--no-tests")  # cwd is fx.tmp, which holds ./vllm
+    assert p.returncode == 0, p.stderr
+    assert "patched/fx/v1.0.0" in p.stdout
+
+
+def test_unavailable_base_is_skipped_not_passed(fx: Fixture) -> None:
+    standard_stack(fx)
+    fx.write_series(
+        "#@ stack fx repo=https://example.invalid/vllm branch=pr-branch "
+        "commit=" + "ab" * 20 + "\n"
+        "fx/0001-fix-add.patch\nfx/0002-fix-scale.patch\n")
+    out = fx.tmp / "r.json"
+    p = fx.run("--json", str(out))  # no repository: the cache, offline
+    assert p.returncode == 1  # nothing ran at all
+    st = fx.report(out)["stacks"][0]
+    assert st["status"] == "skipped"
+    assert st["fetch"].endswith(
+        "git fetch https://example.invalid/vllm " + "ab" * 20)
+    assert all(r["apply"] == "skipped" for r in st["patches"])
+    assert "not verified" in p.stdout and "WARNING" in p.stdout
+
+
+def test_skip_counts_only_with_require_all(fx: Fixture) -> None:
+    standard_stack(fx)
+    body = fx.series.read_text()
+    fx.write_series(body + "#@ stack pr repo=https://example.invalid/fork "
+                    "branch=b commit=" + "cd" * 20 + "\n")
+    fx.make_patch("pr/0001-x.patch", {"vllm/other.py": "X = 1\n"}, "[X] x",
+                  [REG_ADD], base="v1.0.0")
+    fx.write_series(fx.series.read_text() + "pr/0001-x.patch\n")
+    p = fx.run("--repo", str(fx.upstream))
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert "SKIPPED" in p.stdout
+    p = fx.run("--repo", str(fx.upstream), "--require-all")
+    assert p.returncode == 1
+
+
+def test_killed_during_git_am_then_rerun_succeeds(fx: Fixture) -> None:
+    standard_stack(fx)
+    # a git wrapper that SIGKILLs apply.py (and the am) once git am has begun
+    bindir = fx.tmp / "bin"
+    bindir.mkdir()
+    real = subprocess.run(["which", "git"], capture_output=True,
+                          text=True).stdout.strip()
+    (bindir / "git").write_text(
+        "#!/bin/sh\n"
+        'for a in "$@"; do if [ "$a" = am ]; then\n'
+        f'  "{real}" "$@" & pid=$!\n'
+        "  sleep 0.05; kill -9 $PPID $pid; exit 137\n"
+        "fi; done\n"
+        f'exec "{real}" "$@"\n')
+    (bindir / "git").chmod(0o755)
+    before = fx.snapshot()
+    p = fx.run("--repo", str(fx.upstream),
+               env={"PATH": f"{bindir}:{os.environ['PATH']}"})
+    assert p.returncode == -signal.SIGKILL
+    assert fx.snapshot() == before
+    out = fx.tmp / "r.json"
+    p = fx.run("--repo", str(fx.upstream), "--json", str(out))
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert all(r["apply"] == "clean" for r in patch_rows(fx.report(out)).values())
+    assert fx.snapshot() == before
+
+
+def test_series_hash_and_report_shape(fx: Fixture) -> None:
+    standard_stack(fx)
+    out = fx.tmp / "r.json"
+    assert fx.run("--repo", str(fx.upstream), "--json", str(out)).returncode == 0
+    rep = fx.report(out)
+    assert rep["exit_code"] == 0
+    st = rep["stacks"][0]
+    for key in ("name", "base", "base_commit", "patches", "branch"):
+        assert key in st
+    row = st["patches"][0]
+    assert set(row) >= {"file", "apply", "regression", "tests", "seconds"}
+
+
+def test_help_for_every_command() -> None:
+    for cmd in ([], ["check"], ["test"], ["base"], ["format-patch"]):
+        p = subprocess.run([sys.executable, str(APPLY), *cmd, "--help"],
+                           capture_output=True, text=True)
+        assert p.returncode == 0
+        assert "example" in p.stdout
+
+
+def test_stale_lock_from_killed_run_is_not_fatal(fx: Fixture) -> None:
+    standard_stack(fx)
+    assert fx.run("--repo", str(fx.upstream), "--no-tests").returncode == 0
+    # a killed run can leave git's index.lock in the tool's worktree
+    wts = git("worktree", "list", "--porcelain", cwd=fx.upstream)
+    paths = [ln.split(" ", 1)[1] for ln in wts.splitlines()
+             if ln.startswith("worktree ") and "worktrees" in ln]
+    assert paths
+    admin = git("rev-parse", "--path-format=absolute", "--git-dir",
+                cwd=Path(paths[0]))
+    (Path(admin) / "index.lock").write_text("")
+    t0 = time.monotonic()
+    assert fx.run("--repo", str(fx.upstream), "--no-tests").returncode == 0
+    assert time.monotonic() - t0 < 60
