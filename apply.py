@@ -35,8 +35,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import xml.etree.ElementTree as ET
-import zipfile
 from pathlib import Path, PurePosixPath
 
 PROJECT = Path(__file__).resolve().parent
@@ -641,6 +639,8 @@ def materialize_release(repo: Path, version: str,
     commit id everywhere. The upstream commit the release was built from
     (vllm/_version.py's __commit_id__) is recorded as a trailer.
     """
+    import zipfile
+
     tag = f"v{version}"
     c = rev_commit(repo, f"refs/tags/{tag}")
     if c:
@@ -711,10 +711,10 @@ def worktree(repo: Path, key: str, commit: str) -> Path:
         for stale in ("index.lock", "HEAD.lock"):
             (admin / stale).unlink(missing_ok=True)
         shutil.rmtree(admin / "rebase-apply", ignore_errors=True)
-        proc = git("reset", "-q", "--hard", commit, cwd=path, check=False)
+        proc = git("checkout", "-q", "-f", "--detach", commit, cwd=path,
+                   check=False)
         usable = proc.returncode == 0
         if usable:
-            git("checkout", "-q", "--detach", commit, cwd=path)
             git("clean", "-fdq", "-e", "__pycache__", cwd=path)
     if not usable:
         if registered:
@@ -837,16 +837,47 @@ def test_python(arg: str | None) -> str:
     return str(venv) if venv.exists() else sys.executable
 
 
+SELECT_PLUGIN = """\
+# Written by apply.py: keep only the requested node ids. Passing node ids to
+# pytest directly would stop the whole run at the first one that cannot be
+# collected (an import error on a base, say); this way that module reports an
+# error and every other test still runs.
+import os
+
+
+def pytest_collection_modifyitems(config, items):
+    want = os.environ["VLLM_PATCHES_SELECT"].split("\\n")
+
+    def keep(nid):
+        return any(nid == w or nid.startswith((w + "::", w + "[")) for w in want)
+
+    gone = [i for i in items if not keep(i.nodeid)]
+    if gone:
+        config.hook.pytest_deselected(items=gone)
+        items[:] = [i for i in items if keep(i.nodeid)]
+"""
+
+
 def run_tests(root: Path, tree: Path, node_ids: list[str], python: str,
               label: str) -> tuple[dict[str, tuple[str, float]], str]:
     """Run pytest on node ids against a tree; outcome and seconds per id."""
     if not node_ids:
         return {}, ""
+    # a missing file would stop pytest before it runs anything: leave it out,
+    # and its node ids come out as errors
+    files = [f for f in dict.fromkeys(n.split("::", 1)[0] for n in node_ids)
+             if (root / f).exists()]
     with tempfile.TemporaryDirectory() as tmp:
         xml = Path(tmp) / "junit.xml"
-        env = dict(os.environ, VLLM_TREE=str(tree), PYTHONUNBUFFERED="1")
+        (Path(tmp) / "vllm_patches_select.py").write_text(SELECT_PLUGIN)
+        pypath = os.pathsep.join(
+            x for x in (tmp, os.environ.get("PYTHONPATH", "")) if x)
+        env = dict(os.environ, VLLM_TREE=str(tree), PYTHONUNBUFFERED="1",
+                   PYTHONPATH=pypath, VLLM_PATCHES_SELECT="\n".join(node_ids))
         cmd = [python, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-               "-o", "junit_family=xunit1", f"--junitxml={xml}", *node_ids]
+               "-p", "vllm_patches_select", f"--rootdir={root}",
+               "-o", "junit_family=xunit1", f"--junitxml={xml}",
+               "--continue-on-collection-errors", *files]
         say(f"apply.py: pytest ({label}): {len(node_ids)} node id(s)")
         timeout = float(os.environ.get("VLLM_PATCHES_TEST_TIMEOUT", "3600"))
         try:
@@ -861,16 +892,16 @@ def run_tests(root: Path, tree: Path, node_ids: list[str], python: str,
     out: dict[str, tuple[str, float]] = {}
     for nid in node_ids:
         mine = [(o, s) for cid, o, s in cases if covers(nid, cid)]
-        if not mine:
-            out[nid] = ("error", 0.0)
-            continue
         outs = {o for o, _ in mine}
         secs = sum(s for _, s in mine)
-        for o in ("error", "fail", "pass", "skip"):
-            if o in outs and (o in ("error", "fail") or outs == {o} or
-                              (o == "pass" and outs <= {"pass", "skip"})):
-                out[nid] = (o, secs)
-                break
+        if not outs or "error" in outs:
+            out[nid] = ("error", secs)
+        elif "fail" in outs:
+            out[nid] = ("fail", secs)
+        elif outs == {"skip"}:
+            out[nid] = ("skip", secs)
+        else:
+            out[nid] = ("pass", secs)
     return out, output
 
 
@@ -884,26 +915,17 @@ def covers(requested: str, case: str) -> bool:
 
 
 def parse_junit(xml: Path) -> list[tuple[str, str, float]]:
+    """(node id, outcome, seconds) per test case of a pytest xunit1 report."""
+    import xml.etree.ElementTree as ET
+
     cases = []
     for tc in ET.parse(xml).getroot().iter("testcase"):
-        f = tc.get("file") or ""
-        cls = tc.get("classname") or ""
-        name = tc.get("name") or ""
-        if not f:
-            mod, _, rest = cls.partition(".Test")
-            parts = cls.split(".")
-            # classname is module path dotted, possibly with a Test class
-            guess = [p for p in parts]
-            f = "/".join(guess) + ".py"
-            while guess and not guess[-1].startswith("test"):
-                guess = guess[:-1]
-            f = "/".join(guess) + ".py" if guess else f
-            klass = cls[len(".".join(guess)) + 1:] if guess else ""
+        f, cls, name = (tc.get(k) or "" for k in ("file", "classname", "name"))
+        if not cls:  # a collection error: the name is the module's dotted path
+            cid = f or name.replace(".", "/") + ".py"
         else:
-            klass = ""
-        if not cls and name:  # collection error: name is the module
-            cid = name.replace(".", "/") + ".py"
-        else:
+            module = f[:-3].replace("/", ".") if f.endswith(".py") else f
+            klass = cls[len(module) + 1:] if cls.startswith(module + ".") else ""
             cid = "::".join(x for x in (f, klass, name) if x)
         if tc.find("failure") is not None:
             o = "fail"
@@ -918,30 +940,30 @@ def parse_junit(xml: Path) -> list[tuple[str, str, float]]:
 
 
 def aggregate(outcomes: list[str], want_fail: bool) -> str:
-    if not outcomes:
-        return "skip"
+    """One word for a set of test outcomes.
+
+    Regression tests on the base (want_fail): "fail" only when every one of
+    them fails, "pass" only when every one passes; a mix, or an error, is
+    "error" (the per-test outcomes are in the report). Elsewhere: any error
+    is "error", else any failure "fail", else "pass" ("skip" if all skipped).
+    """
     s = set(outcomes)
-    if want_fail:  # every regression test must fail on the base
-        if s == {"fail"}:
-            return "fail"
-        if s == {"pass"}:
-            return "pass"
-        if s == {"skip"}:
-            return "skip"
-        return "error" if "error" in s else "pass"
+    if not s or s == {"skip"}:
+        return "skip"
+    if want_fail:
+        return s.pop() if s in ({"fail"}, {"pass"}) else "error"
     if "error" in s:
         return "error"
-    if "fail" in s:
-        return "fail"
-    return "skip" if s == {"skip"} else "pass"
+    return "fail" if "fail" in s else "pass"
 
 
 # --------------------------------------------------------------------------
 # the main job
 
 
-def run_stack(series: Series, stack: Stack, rev: str | None,
-              user_repo: Path | None, args: argparse.Namespace) -> dict:
+def run_stack(series: Series, stack: Stack, patches: list[Patch],
+              rev: str | None, user_repo: Path | None,
+              args: argparse.Namespace) -> dict:
     t_stack = time.monotonic()
     rep: dict = {"name": stack.name, "pins": stack.pins,
                  "base": rev or stack.pins.get("tag") or stack.pins.get("commit")}
@@ -955,7 +977,6 @@ def run_stack(series: Series, stack: Stack, rev: str | None,
                repo=str(base.repo))
     if base.upstream_commit:
         rep["upstream_commit"] = base.upstream_commit
-    patches = [load_patch(series, p) for p in stack.patches]
     results = {p.file: PatchResult(p.file) for p in patches}
     label = ref_label(base.rev)
     with locked(hashlib.sha1(str(git_common_dir(base.repo)).encode())
@@ -1048,9 +1069,7 @@ def print_table(report: dict) -> None:
 def cmd_apply(args: argparse.Namespace) -> int:
     series = parse_series(Path(args.series))
     check_agreement(series)
-    for s in series.stacks:
-        for p in s.patches:
-            load_patch(series, p)
+    loaded = {p: load_patch(series, p) for s in series.stacks for p in s.patches}
     user_repo = find_user_repo(args.repo)
     if args.base and not args.stack and len(series.stacks) > 1:
         say(f"apply.py: --base without --stack: using the first stack, "
@@ -1059,7 +1078,9 @@ def cmd_apply(args: argparse.Namespace) -> int:
         series.stacks
     report = {"tool": "apply.py", "series": str(series.path), "stacks": []}
     for st in stacks:
-        report["stacks"].append(run_stack(series, st, args.base, user_repo, args))
+        report["stacks"].append(run_stack(series, st, [loaded[p] for p in
+                                                       st.patches],
+                                          args.base, user_repo, args))
     ran = [s for s in report["stacks"] if s["status"] == "ran"]
     failed = [s for s in ran if not s["ok"]]
     skipped = [s for s in report["stacks"] if s["status"] == "skipped"]

@@ -1,0 +1,87 @@
+"""Integration on a real vLLM release: the v0.20.2 base built offline from the
+release wheel (pip's cache or a download), and a small fixture stack on it."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from conftest import APPLY, git
+
+PIN = "bc150f50299199599673614f80d12a196f377655"
+TQ = "vllm/v1/attention/backends/turboquant_attn.py"
+TEST = '''\
+import ast, os
+from pathlib import Path
+
+
+def threshold():
+    src = Path(os.environ["VLLM_TREE"], "{tq}").read_text()
+    for node in ast.parse(src).body:
+        if isinstance(node, ast.Assign) and \\
+                node.targets[0].id == "_CONTINUATION_DECODE_THRESHOLD":
+            return node.value.value
+
+
+def test_threshold_regression():
+    assert threshold() == 64
+'''.format(tq=TQ)
+
+
+def run(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    env = dict(os.environ, VLLM_PATCHES_OFFLINE="1")
+    env.pop("VLLM_REPO", None)
+    return subprocess.run([sys.executable, str(APPLY), *args], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=1800)
+
+
+def test_real_v0_20_2_base_and_fixture_stack(tmp_path: Path) -> None:
+    proj = tmp_path / "proj"
+    (proj / "tests").mkdir(parents=True)
+    (proj / "tests" / "test_threshold.py").write_text(TEST)
+    (proj / "series").write_text(
+        f"#@ stack tq repo=https://github.com/vllm-project/vllm tag=v0.20.2 "
+        f"commit={PIN}\n")
+    # the base, from the tool's cache (built from the PyPI wheel if needed)
+    p = run("base", "--series", str(proj / "series"), cwd=tmp_path)
+    assert p.returncode == 0, p.stderr
+    rev, commit, repo = p.stdout.split()[:3]
+    repo = repo.split("=", 1)[1]
+    assert rev == "v0.20.2" and "upstream=bc150f502" in p.stdout
+    # a patch made on a clone of that base
+    work = tmp_path / "work"
+    git("clone", "-q", "--no-checkout", repo, str(work), cwd=tmp_path)
+    git("checkout", "-q", "--detach", commit, cwd=work)
+    f = work / TQ
+    f.write_text(f.read_text().replace("_CONTINUATION_DECODE_THRESHOLD = 128",
+                                       "_CONTINUATION_DECODE_THRESHOLD = 64"))
+    git("commit", "-q", "-am",
+        "[Attention][TurboQuant] Lower the threshold\n\nWhy.\n\n"
+        "Bug: https://github.com/vllm-project/vllm/issues/1\n"
+        "Upstream-Status: Inappropriate [fixture]\n"
+        "Tests: tests/test_threshold.py::test_threshold_regression\n"
+        "Signed-off-by: vllm-patch-series "
+        "<vllm-patch-series@users.noreply.github.com>", cwd=work)
+    (proj / "patches" / "tq").mkdir(parents=True)
+    p = run("format-patch", "--repo", str(work), "HEAD", "--out",
+            str(proj / "patches" / "tq" / "0001-threshold.patch"), cwd=tmp_path)
+    assert p.returncode == 0, p.stderr
+    with (proj / "series").open("a") as fh:
+        fh.write("tq/0001-threshold.patch\n")
+    # lint with the round trip on the real base
+    p = run("check", "--series", str(proj / "series"), cwd=tmp_path)
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert "byte-identical" in p.stdout
+    out = tmp_path / "r.json"
+    p = run("--series", str(proj / "series"), "--python", sys.executable,
+            "--json", str(out), cwd=tmp_path)
+    assert p.returncode == 0, p.stdout + p.stderr
+    st = json.loads(out.read_text())["stacks"][0]
+    assert st["base_commit"] == commit
+    assert st["upstream_commit"] == "bc150f502"
+    row = st["patches"][0]
+    assert row["apply"] == "clean"
+    assert row["regression"] == {"base": "fail", "patched": "pass"}
