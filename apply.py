@@ -1258,6 +1258,22 @@ def cmd_format_patch(args: argparse.Namespace) -> int:
 
 
 # --------------------------------------------------------------------------
+# rebase, status, time machine
+
+
+def add_rebase_commands(sub: argparse._SubParsersAction) -> None:
+    pass
+
+
+# --------------------------------------------------------------------------
+# deliver: patched wheel, PR branches
+
+
+def add_deliver_commands(sub: argparse._SubParsersAction) -> None:
+    pass
+
+
+# --------------------------------------------------------------------------
 # command line
 
 
@@ -1327,20 +1343,28 @@ def parser() -> argparse.ArgumentParser:
     f.add_argument("--repo", required=True)
     f.add_argument("--out")
     f.set_defaults(func=cmd_format_patch)
-    # The global options work after the command too.
-    for sp in (c, t, b, f):
-        sp.add_argument("--series", default=argparse.SUPPRESS,
-                        help="series file")
     for sp in (t, b):
-        sp.add_argument("--python", default=argparse.SUPPRESS,
-                        help="Python that runs the targeted tests")
-        sp.add_argument("--offline", action="store_true",
-                        default=argparse.SUPPRESS, help="never try git remotes")
-    b.add_argument("--stack", default=argparse.SUPPRESS, help="stack name")
-    for sp in (b, c):
-        sp.add_argument("--repo", default=argparse.SUPPRESS,
-                        help="vLLM repository")
+        common(sp, "python", "offline")
+    common(b, "stack", "repo")
+    common(c, "repo")
+    add_rebase_commands(sub)
+    add_deliver_commands(sub)
+    for sp in sub.choices.values():
+        common(sp, "series")
     return p
+
+
+def common(sp: argparse.ArgumentParser, *names: str) -> None:
+    """The global options, accepted after a command too."""
+    helps = {"series": "series file", "repo": "vLLM git repository",
+             "stack": "stack name", "python": "Python that runs the tests",
+             "offline": "never try git remotes", "json": "write JSON here"}
+    for n in names:
+        if n == "offline":
+            sp.add_argument("--offline", action="store_true",
+                            default=argparse.SUPPRESS, help=helps[n])
+        else:
+            sp.add_argument(f"--{n}", default=argparse.SUPPRESS, help=helps[n])
 
 
 def main(argv: list[str] | None = None) -> int:
