@@ -109,8 +109,10 @@ class Fixture:
         if env:
             full_env.update(env)
         cmd = [sys.executable, str(APPLY), *args]
-        if args and args[0] in ("check", "test", "base", "format-patch",
-                                "rebase", "status"):
+        if args and args[0] in ("rebase", "status", "test"):
+            cmd += ["--series", str(self.series), "--python", sys.executable]
+        elif args and args[0] in ("check", "base", "format-patch", "wheel",
+                                  "export"):
             cmd += ["--series", str(self.series)]
         else:
             cmd[2:2] = ["--series", str(self.series), "--python", sys.executable]
