@@ -1771,7 +1771,8 @@ def parser() -> argparse.ArgumentParser:
         epilog="examples:\n"
         "  python apply.py                      # every stack at its pin\n"
         "  python apply.py --base v0.20.2 --repo ~/src/vllm --json out.json\n"
-        "commands: check, test, base, format-patch (each has --help)\n"
+        "commands: check, test, base, format-patch, rebase, status, wheel,\n"
+        "          export (each has --help with an example)\n"
         "exit: 0 ok, 1 conflict or test failure, 2 bad input")
     p.add_argument("--series", default=str(PROJECT / "series"),
                    help="series file (default: ./series beside apply.py)")

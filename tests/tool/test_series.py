@@ -1,0 +1,64 @@
+"""The real series: every active patch of every stack whose base is at hand
+applies, its regression tests fail on the unpatched base and pass patched, and
+its other targeted tests pass; a stack whose base cannot be had is reported as
+skipped with the exact fetch command, never as passed.
+
+ci/test.sh runs the main job first (its table goes to the log) and hands the
+report over in VLLM_PATCHES_REPORT; run alone, this test runs the main job.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from conftest import APPLY, ROOT
+
+
+def report(tmp_path: Path) -> dict:
+    given = os.environ.get("VLLM_PATCHES_REPORT")
+    if given and Path(given).is_file():
+        return json.loads(Path(given).read_text())
+    out = tmp_path / "report.json"
+    p = subprocess.run([sys.executable, str(APPLY), "--python", sys.executable,
+                        "--json", str(out)], cwd=ROOT, capture_output=True,
+                       text=True, timeout=3600)
+    print(p.stdout)
+    assert out.exists(), p.stderr
+    return json.loads(out.read_text())
+
+
+def active_patches(stack: str) -> list[str]:
+    out, cur = [], None
+    for line in (ROOT / "series").read_text().splitlines():
+        if line.startswith("#@ stack "):
+            cur = line.split()[2]
+        elif line.strip() and not line.startswith("#") and cur == stack:
+            out.append(line.split()[0])
+    return out
+
+
+def test_real_series_report(tmp_path: Path) -> None:
+    rep = report(tmp_path)
+    names = [s["name"] for s in rep["stacks"]]
+    assert names[0] == "tq"
+    for st in rep["stacks"]:
+        assert [p["file"] for p in st["patches"]] == active_patches(st["name"])
+        if st["status"] == "skipped":
+            assert st["fetch"].startswith("git ")
+            assert "fetch" in st["fetch"]
+            assert all(p["apply"] == "skipped" for p in st["patches"])
+            continue
+        for p in st["patches"]:
+            assert p["apply"] in ("clean", "3way"), p
+            assert p["regression"] == {"base": "fail", "patched": "pass"}, p
+            assert p["tests"] == "pass", p
+    tq = rep["stacks"][0]
+    assert tq["status"] == "ran"
+    pin = tq["pins"]["commit"]
+    assert tq["base_commit"] == pin or pin.startswith(tq.get("upstream_commit")
+                                                      or "~")
+    assert rep["exit_code"] == 0
