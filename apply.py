@@ -194,11 +194,20 @@ class Stack:
     not_needed: list[dict[str, str]] = dataclasses.field(default_factory=list)
     patch_lines: dict[str, int] = dataclasses.field(default_factory=dict)
 
-    def fetch_hint(self) -> str:
-        repo = self.pins.get("repo", UPSTREAM_URL)
-        what = self.pins.get("fetch") or self.pins.get("commit") or self.pins.get(
-            "tag", "")
-        return f"git fetch {repo} {what}"
+    file_pins: dict[str, dict[str, str]] = dataclasses.field(
+        default_factory=dict)
+
+    def fetch_hint(self, into: Path) -> str:
+        """The git fetch command(s) that get the stack's base (and the
+        per-patch pins' commits) into a repository."""
+        cmds = []
+        for pins in [self.pins, *self.file_pins.values()]:
+            repo = pins.get("repo", UPSTREAM_URL)
+            what = pins.get("fetch") or pins.get("commit") or pins.get("tag", "")
+            cmd = f"git -C {into} fetch {repo} {what}"
+            if cmd not in cmds:
+                cmds.append(cmd)
+        return " && ".join(cmds)
 
 
 @dataclasses.dataclass
@@ -273,6 +282,14 @@ def parse_series(path: Path, need_patches: bool = True) -> Series:
                 if any(s.name == name for s in stacks):
                     raise UserError(f"{where}: stack '{name}' defined twice")
                 stacks.append(Stack(name, kv, [], n))
+            elif kind == "pin":
+                if not stacks or not rest or "=" in rest[0] or \
+                        set(kv) - {"repo", "branch", "commit", "fetch"}:
+                    raise UserError(f"{where}: malformed directive: '#@ pin "
+                                    "PATCH repo=URL commit=<40 hex> [branch=]'")
+                if not re.fullmatch(r"[0-9a-f]{40}", kv.get("commit", "")):
+                    raise UserError(f"{where}: commit= must be 40 hex digits")
+                stacks[-1].file_pins[rest[0]] = kv
             elif kind in RECORDS:
                 if not stacks or not rest or "=" in rest[0]:
                     raise UserError(f"{where}: malformed directive: "
@@ -298,6 +315,11 @@ def parse_series(path: Path, need_patches: bool = True) -> Series:
         check_safe_relpath(entry, f"{where}: series entry")
         stacks[-1].patches.append(entry)
         stacks[-1].patch_lines[entry] = n
+    for s in stacks:
+        for f in s.file_pins:
+            if f not in s.patches:
+                raise UserError(f"{path.name}: '#@ pin {f}': not a patch of "
+                                f"stack '{s.name}'")
     if not stacks or (need_patches and not any(s.patches for s in stacks)):
         raise UserError(f"{path}: the series lists no patch")
     for s in stacks:
@@ -528,7 +550,7 @@ def resolve_base(stack: Stack, rev: str | None, user_repo: Path | None,
             raise UserError(f"unknown revision '{rev}' in {user_repo}")
         raise BaseUnavailable(
             f"{user_repo} has none of {', '.join(candidates)}",
-            f"git -C {user_repo} {stack.fetch_hint()}")
+            stack.fetch_hint(user_repo))
     repo = cache_repo()
     shown = rev or pins.get("tag") or pins.get("commit") or pins["branch"]
     for r in candidates:
@@ -563,7 +585,7 @@ def resolve_base(stack: Stack, rev: str | None, user_repo: Path | None,
                         "no repository given (--repo)")
     raise BaseUnavailable(
         "; ".join(errors) or f"base {shown} is not a release and not cached",
-        f"git -C {repo} {stack.fetch_hint()}")
+        stack.fetch_hint(repo))
 
 
 def fetch_remote(repo: Path, url: str, want: str) -> str | None:
@@ -1754,8 +1776,794 @@ def add_rebase_commands(sub: argparse._SubParsersAction) -> None:
 # deliver: patched wheel, PR branches
 
 
+# What a patched wheel cannot carry: the sources of compiled extensions.
+COMPILED_SOURCE = re.compile(
+    r"^(?:csrc|cmake)/|(?:^|/)CMakeLists\.txt$|^setup\.py$"
+    r"|\.(?:cu|cuh|c|cc|cpp|cxx|h|hpp)$")
+# PEP 427: {name}-{version}(-{build})?-{python}-{abi}-{platform}.whl
+WHEEL_FILE = re.compile(
+    r"^(?P<name>[^-]+)-(?P<ver>[^-]+)(?:-(?P<build>\d[^-]*))?"
+    r"-(?P<py>[^-]+)-(?P<abi>[^-]+)-(?P<plat>[^-]+)\.whl$")
+# Written into the patched wheel's .dist-info: what it is made of.
+WHEEL_MANIFEST = "vllm_patches.json"
+
+
+def wheel_cli(python: str, *args: str) -> subprocess.CompletedProcess[str]:
+    """The `wheel` package's command line (unpack, pack), run by `python`.
+
+    SOURCE_DATE_EPOCH (unless set) pins the archive's timestamps, so the same
+    series on the same release wheel gives the same bytes.
+    """
+    env = dict(os.environ)
+    env.setdefault("SOURCE_DATE_EPOCH", BASE_DATE.split()[0])
+    try:
+        return subprocess.run([python, "-m", "wheel", *args], capture_output=True,
+                              text=True, env=env)
+    except OSError as e:
+        raise UserError(f"cannot run the Python '{python}': {e}") from None
+
+
+def check_wheel_tool(python: str) -> None:
+    proc = wheel_cli(python, "pack", "--help")
+    if proc.returncode == 0 and "--local-version" in proc.stdout:
+        return
+    why = "is too old in" if proc.returncode == 0 else "is missing from"
+    raise UserError(f"the 'wheel' package {why} {python} (need wheel>=0.48 for "
+                    f"'wheel pack --local-version'): {python} -m pip install -U "
+                    "'wheel>=0.48' (or name another Python with --python)")
+
+
+def wheel_step(python: str, *args: str) -> None:
+    proc = wheel_cli(python, *args)
+    if proc.returncode != 0:
+        last = (proc.stderr.strip().splitlines() or ["?"])[-1]
+        raise UserError(f"wheel {args[0]} failed: {last}")
+
+
+def stack_release(stack: Stack, rev: str | None, base: Base) -> str | None:
+    """The vLLM release a base is (X.Y.Z), if it is one."""
+    for r in ([rev] if rev else [stack.pins.get("tag")]):
+        if r and RELEASE_TAG.match(r):
+            return RELEASE_TAG.match(r).group(1)
+    msg = gout("log", "-1", "--format=%B", base.commit, cwd=base.repo)
+    m = re.search(r"^Release: (\S+)$", msg, re.M)  # a materialized release
+    return m.group(1) if m else None
+
+
+def tree_changes(repo: Path, old: str, new: str) -> dict[str, str]:
+    """{path: A | M | D} between two commits, renames as delete + add."""
+    out = git("diff", "--name-status", "-z", "--no-renames", old, new,
+              cwd=repo).stdout.decode().split("\0")
+    changes = {}
+    for status, path in zip(out[0::2], out[1::2]):
+        changes[path] = "M" if status == "T" else status
+    return changes
+
+
+def tree_blobs(repo: Path, rev: str, paths: list[str]) -> dict[str, tuple[str, str]]:
+    """{path: (mode, blob id)} of the given paths at `rev`."""
+    if not paths:
+        return {}
+    out = git("ls-tree", "-r", "-z", rev, "--", *paths, cwd=repo).stdout.decode()
+    blobs = {}
+    for rec in out.split("\0"):
+        if rec:
+            meta, path = rec.split("\t", 1)
+            mode, _, oid = meta.split()
+            blobs[path] = (mode, oid)
+    return blobs
+
+
+def git_blob_id(data: bytes) -> str:
+    return hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
+
+
+def set_version_py(path: Path, release: str, version: str, local: str) -> None:
+    """vllm/_version.py (written by setuptools-scm) names the local version."""
+    import ast
+
+    text = path.read_text()
+    m1 = re.search(r"^(__version__ = version = )(['\"])([^'\"]*)\2$", text, re.M)
+    m2 = re.search(r"^(__version_tuple__ = version_tuple = )(\(.*\))$", text, re.M)
+    if not m1 or not m2 or m1.group(3) != release:
+        raise UserError(f"vllm/_version.py of the wheel does not read "
+                        f"'__version__ = version = {release!r}' and "
+                        "'__version_tuple__ = version_tuple = (...)'")
+    old = ast.literal_eval(m2.group(2))
+    text = (text[:m1.start()] + m1.group(1) + repr(version) + text[m1.end():])
+    m2 = re.search(r"^(__version_tuple__ = version_tuple = )(\(.*\))$", text, re.M)
+    text = (text[:m2.start()] + m2.group(1) + repr(tuple(old) + (local,))
+            + text[m2.end():])
+    path.write_text(text)
+
+
+def set_wheel_tags(wheel_meta: Path, name: re.Match) -> None:
+    """Tag: lines of .dist-info/WHEEL as the file name says.
+
+    `wheel pack` names its output from these lines; vLLM's release wheels are
+    renamed to manylinux_* after the build, so their WHEEL still says
+    linux_x86_64. The output keeps the input's file-name tags.
+    """
+    tags = [f"{p}-{a}-{t}" for p in name["py"].split(".")
+            for a in name["abi"].split(".") for t in name["plat"].split(".")]
+    lines = wheel_meta.read_text().splitlines()
+    at = next((i for i, ln in enumerate(lines) if ln.startswith("Tag:")),
+              len(lines))
+    rest = [ln for ln in lines if not ln.startswith("Tag:")]
+    rest[at:at] = [f"Tag: {t}" for t in tags]
+    wheel_meta.write_text("\n".join(rest) + "\n")
+
+
+def cmd_wheel(args: argparse.Namespace) -> int:
+    t_start = time.monotonic()
+    series = parse_series(Path(args.series))
+    stack = series.stack(args.stack)
+    patches = [load_patch(series, p) for p in stack.patches]
+    if not patches:
+        raise UserError(f"stack '{stack.name}' lists no patch")
+    for p in patches:
+        for f in p.files:
+            if COMPILED_SOURCE.search(f):
+                raise UserError(
+                    f"patches/{p.file} changes {f}, a source of vLLM's compiled "
+                    "extensions: a patched wheel cannot carry that without a "
+                    "CUDA rebuild (build vLLM from the patched tree instead)")
+    python = test_python(args.python)
+    check_wheel_tool(python)
+    user_repo = find_user_repo(args.repo)
+    try:
+        base = resolve_base(stack, args.base, user_repo, args.offline)
+        release = stack_release(stack, args.base, base)
+        if release is None:
+            raise UserError(f"base '{base.rev}' is not a vLLM release: give "
+                            "--base vX.Y.Z (the release the wheel is of)")
+        src = (Path(args.from_wheel).expanduser().resolve() if args.from_wheel
+               else release_wheel(release))
+    except BaseUnavailable as e:
+        raise UserError(f"{e.reason} (to get it: {e.hint})") from None
+    if not src.is_file():
+        raise UserError(f"{src}: no such wheel file")
+    name = WHEEL_FILE.match(src.name)
+    if not name or name["name"].lower() != "vllm":
+        raise UserError(f"{src.name}: not a vLLM wheel file name "
+                        "(vllm-VERSION-PY-ABI-PLATFORM.whl)")
+    if name["ver"] != release:
+        raise UserError(f"{src.name} is vLLM {name['ver']}, but the base "
+                        f"{base.rev} is release {release}: give the official "
+                        f"vllm {release} wheel (or --base v{name['ver']})")
+    local = (re.sub(r"[-_.]+", ".", stack.name.lower()) + "."
+             + series.digest(stack)[:8])
+    version = f"{release}+{local}"
+
+    results = {p.file: PatchResult(p.file) for p in patches}
+    with locked(hashlib.sha1(str(git_common_dir(base.repo)).encode())
+                .hexdigest()[:10]):
+        wt = worktree(base.repo, f"{stack.name}-wheel", base.commit)
+        conflicts = apply_stack(wt, patches, results)
+        if conflicts:
+            for p in conflicts:
+                files = ", ".join(results[p.file].conflict_files) or "?"
+                print(f"{p.file}: does not apply on {base.rev} (conflicts in "
+                      f"{files})")
+            say(f"apply.py wheel: {len(conflicts)} patch(es) do not apply on "
+                f"{base.rev}; no wheel written")
+            return 1
+        head = gout("rev-parse", "HEAD", cwd=wt)
+        changes = tree_changes(wt, base.commit, head)
+        new = tree_blobs(wt, head, [p for p, s in changes.items() if s != "D"])
+        old = tree_blobs(wt, base.commit, [p for p, s in changes.items()
+                                           if s != "A"])
+        data = {}
+        for path, (mode, oid) in new.items():
+            if mode not in ("100644", "100755"):
+                raise UserError(f"the patched tree's {path} is not a regular "
+                                f"file (mode {mode}); a wheel cannot carry it")
+            data[path] = git("cat-file", "blob", oid, cwd=wt).stdout
+    src_size = src.stat().st_size
+    h = hashlib.sha256()
+    with src.open("rb") as fh:
+        for chunk in iter(lambda: fh.read(1 << 20), b""):
+            h.update(chunk)
+    out_dir = Path(args.out).expanduser().resolve()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    say(f"apply.py wheel: {src.name} + stack {stack.name} ({len(patches)} "
+        f"patches, {len(changes)} files) -> {version}")
+    timings = {}
+    notes = []
+    with tempfile.TemporaryDirectory(dir=out_dir, prefix=".apply-wheel-") as tmp:
+        t0 = time.monotonic()
+        wheel_step(python, "unpack", "--dest", str(Path(tmp) / "in"), str(src))
+        timings["unpack"] = time.monotonic() - t0
+        root = next((Path(tmp) / "in").iterdir())
+        infos = [d for d in root.iterdir() if d.name.endswith(".dist-info")]
+        if len(infos) != 1:
+            raise UserError(f"{src.name}: expected one .dist-info directory")
+        tops = {d.name for d in root.iterdir()} - {infos[0].name}
+        shipped = {}
+        for path, status in sorted(changes.items()):
+            if PurePosixPath(path).parts[0] not in tops:
+                notes.append(f"not in the wheel (not shipped): {path}")
+                continue
+            target = root / path
+            if status in ("M", "D"):
+                if not target.is_file():
+                    notes.append(f"the official wheel lacks {path} ({status})")
+                elif git_blob_id(target.read_bytes()) != old[path][1]:
+                    notes.append(f"warning: {path} in the official wheel differs "
+                                 f"from base {base.rev}'s")
+            if status == "D":
+                target.unlink(missing_ok=True)
+            else:
+                target.parent.mkdir(parents=True, exist_ok=True)
+                target.write_bytes(data[path])
+                target.chmod(0o755 if new[path][0] == "100755" else 0o644)
+            shipped[path] = status
+        set_version_py(root / "vllm" / "_version.py", release, version, local)
+        set_wheel_tags(infos[0] / "WHEEL", name)
+        manifest = {
+            "tool": "apply.py wheel", "version": version, "release": release,
+            "stack": stack.name, "series_sha256": series.digest(stack),
+            "base": {"rev": base.rev, "commit": base.commit,
+                     "upstream_commit": base.upstream_commit},
+            "from_wheel": {"file": src.name, "sha256": h.hexdigest()},
+            "patches": [{"file": p.file, "subject": p.subject,
+                         "upstream_status": (p.values("Upstream-Status") or
+                                             [""])[0]} for p in patches],
+            "files": shipped,
+        }
+        (infos[0] / WHEEL_MANIFEST).write_text(json.dumps(manifest, indent=2)
+                                               + "\n")
+        t0 = time.monotonic()
+        pack = ["pack", "--dest-dir", str(Path(tmp) / "out"),
+                "--local-version", local]
+        if name["build"]:
+            pack += ["--build-number", name["build"]]
+        (Path(tmp) / "out").mkdir()
+        wheel_step(python, *pack, str(root))
+        timings["pack"] = time.monotonic() - t0
+        built = list((Path(tmp) / "out").glob("*.whl"))
+        build = f"-{name['build']}" if name["build"] else ""
+        want = (f"vllm-{version}{build}-{name['py']}-{name['abi']}-"
+                f"{name['plat']}.whl")
+        if len(built) != 1 or built[0].name != want:
+            raise UserError(f"wheel pack wrote {[b.name for b in built]}, "
+                            f"expected {want}")
+        out = out_dir / want
+        os.replace(built[0], out)
+    seconds = time.monotonic() - t_start
+    size = out.stat().st_size
+    delta = size - src_size
+    print(out)
+    print(f"  vllm {version}: stack {stack.name} ({len(patches)} patches) on "
+          f"{base.rev} ({base.commit[:12]}), from {src.name}")
+    for path, status in shipped.items():
+        print(f"    {status} {path}")
+    for n in notes:
+        print(f"  {n}")
+    print(f"  built in {seconds:.1f} s (wheel unpack {timings['unpack']:.1f} s, "
+          f"wheel pack {timings['pack']:.1f} s); size {src_size} -> {size} "
+          f"bytes ({delta:+d} B, {100 * delta / src_size:+.4f}%)")
+    if args.json:
+        Path(args.json).write_text(json.dumps(
+            {"wheel": str(out), "version": version, "from_wheel": str(src),
+             "seconds": round(seconds, 2),
+             "unpack_seconds": round(timings["unpack"], 2),
+             "pack_seconds": round(timings["pack"], 2),
+             "size": size, "from_size": src_size, "size_delta": delta,
+             "files": shipped, "notes": notes, "manifest": manifest},
+            indent=2) + "\n")
+    return 0
+
+
+# ---- export: one upstream PR branch per patch
+
+VLLM_ISSUE = re.compile(r"^https://github\.com/vllm-project/vllm/issues/(\d+)/?$")
+PR_DROP_TRAILERS = {"bug", "upstream-status", "tests"}
+
+# The pieces of tests/patches/conftest.py an exported test module may need,
+# written for vLLM's own test tree (vllm imported directly, no VLLM_TREE).
+EXPORT_HARNESS = {
+    "env": '''\
+if not _torch.cuda.is_available():
+    # CPU-only host: run Triton kernels in Triton's interpreter.
+    os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+''',
+    "VLLM_TREE": '''\
+# The directory holding the vllm package under test.
+os.environ.setdefault(
+    "VLLM_TREE",
+    str(Path(importlib.util.find_spec("vllm").origin).resolve().parents[1]),
+)
+''',
+    "gpu": '''\
+_needs_gpu = pytest.mark.skipif(
+    not _torch.cuda.is_available(), reason="needs a CUDA GPU"
+)
+''',
+    "vllm_tree": '''\
+@pytest.fixture(scope="session")
+def vllm_tree() -> Path:
+    """The directory holding the vllm package under test."""
+    import vllm
+
+    return Path(vllm.__file__).resolve().parents[1]
+''',
+    "device": '''\
+@pytest.fixture
+def device() -> "_torch.device":
+    return _torch.device("cuda" if _torch.cuda.is_available() else "cpu")
+''',
+    "_accelerator_empty_cache_noop": '''\
+@pytest.fixture(autouse=True)
+def _accelerator_empty_cache_noop(monkeypatch: pytest.MonkeyPatch) -> None:
+    # WorkspaceManager calls torch.accelerator.empty_cache(), which raises on
+    # a CPU-only torch.
+    if _torch.accelerator.current_accelerator() is None:
+        monkeypatch.setattr(_torch.accelerator, "empty_cache", lambda: None)
+''',
+    "cpu_platform": '''\
+@pytest.fixture
+def cpu_platform(vllm_tree: Path, monkeypatch: pytest.MonkeyPatch):
+    """vLLM's CpuPlatform as current_platform on a CPU-only host."""
+    import vllm.platforms as platforms
+
+    if _torch.cuda.is_available():
+        return platforms.current_platform
+    from vllm.platforms.cpu import CpuPlatform
+
+    plat = CpuPlatform()
+    monkeypatch.setattr(platforms, "_current_platform", plat)
+    return plat
+''',
+}
+
+
+def pick_patch(series: Series, want: str) -> tuple[Stack, str]:
+    found = [(s, e) for s in series.stacks for e in s.patches
+             if want in (e, Path(e).name, Path(e).stem)
+             or Path(e).name.startswith(want)]
+    if len(found) != 1:
+        what = "no patch" if not found else f"{len(found)} patches"
+        raise UserError(f"'{want}': {what} of the series match (give the file "
+                        "name, e.g. tq/0001-....patch, or a unique prefix)")
+    return found[0]
+
+
+def fixture_names(conftest: Path) -> set[str]:
+    import ast
+
+    if not conftest.is_file():
+        return set()
+    names = set()
+    for node in ast.parse(conftest.read_text()).body:
+        if isinstance(node, ast.FunctionDef) and any(
+                "fixture" in ast.unparse(d) for d in node.decorator_list):
+            names.add(node.name)
+    return names
+
+
+def adapt_test_module(src: Path, rel: str) -> tuple[str, list[str]]:
+    """The series' test module, made to run in vLLM's own test tree.
+
+    The series runs it against the tree named by VLLM_TREE with the fixtures
+    of its conftest.py; in vLLM's tree vllm is imported directly, and the
+    harness pieces the module uses are defined in it, after its imports.
+    Returns the new text and what was adapted, in words.
+    """
+    import ast
+
+    text = src.read_text()
+    mod = ast.parse(text)
+    used = {a.arg for n in ast.walk(mod)
+            if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))
+            for a in n.args.posonlyargs + n.args.args + n.args.kwonlyargs}
+    bound = set()
+    for n in mod.body:
+        if isinstance(n, ast.Import):
+            bound |= {a.asname or a.name for a in n.names}
+        elif isinstance(n, ast.ImportFrom) and n.module:
+            bound |= {a.asname or a.name for a in n.names}
+    uses_torch = any(
+        (isinstance(n, ast.Import) and any(a.name.split(".")[0] == "torch"
+                                           for a in n.names))
+        or (isinstance(n, ast.ImportFrom) and (n.module or "").split(".")[0]
+            == "torch") for n in ast.walk(mod))
+    done = []
+    if re.search(r"\bpytest\.mark\.gpu\b", text):
+        text = re.sub(r"\bpytest\.mark\.gpu\b", "_needs_gpu", text)
+        done.append("pytest.mark.gpu became a skipif(no CUDA) mark")
+        want = ["gpu"]
+    else:
+        want = []
+    if uses_torch or want or used & {"device", "cpu_platform"}:
+        want.insert(0, "env")
+        done.append('on a CPU-only host CUDA_VISIBLE_DEVICES="" and '
+                    "TRITON_INTERPRET=1 are set unless set")
+    if "VLLM_TREE" in text:
+        want.append("VLLM_TREE")
+        done.append("VLLM_TREE defaults to the directory holding the imported "
+                    "vllm package")
+    if "cpu_platform" in used:
+        used.add("vllm_tree")
+    fixtures = [f for f in ("vllm_tree", "device", "cpu_platform") if f in used]
+    if fixtures:
+        done.append(f"fixture(s) {', '.join(fixtures)} defined in the module "
+                    "(from the series' conftest.py)")
+    want += fixtures
+    if uses_torch:
+        want.append("_accelerator_empty_cache_noop")
+        done.append("torch.accelerator.empty_cache() is a no-op where there is "
+                    "no accelerator (autouse fixture, as in the series)")
+    missing = sorted(fixture_names(src.parent / "conftest.py") & used
+                     - set(EXPORT_HARNESS))
+    if missing:
+        say(f"apply.py export: warning: {rel} uses fixture(s) "
+            f"{', '.join(missing)} of the series' conftest.py, not provided "
+            "in vLLM's tree")
+        done.append(f"NOT provided: fixture(s) {', '.join(missing)}")
+    # after the docstring, __future__ imports and the module's own imports
+    at = 0
+    for i, node in enumerate(mod.body):
+        doc = (i == 0 and isinstance(node, ast.Expr)
+               and isinstance(node.value, ast.Constant)
+               and isinstance(node.value.value, str))
+        if not (doc or isinstance(node, (ast.Import, ast.ImportFrom))):
+            break
+        at = node.end_lineno
+    lines = text.splitlines(keepends=True)
+    pre = ["\n# Adapted from the vllm-patches series (" + rel + "), which runs "
+           "it against a\n# source tree with the harness of its conftest.py: "
+           "here vllm is imported\n# directly and the harness pieces used "
+           "below are defined in this module.\n"]
+    if want:
+        needs = {"importlib": "VLLM_TREE" in want,
+                 "os": bool({"env", "VLLM_TREE"} & set(want)),
+                 "Path": bool({"VLLM_TREE", "vllm_tree", "cpu_platform"}
+                              & set(want)),
+                 "pytest": bool(set(want) - {"env", "VLLM_TREE"})}
+        imports = {"importlib": "import importlib.util\n", "os": "import os\n",
+                   "Path": "from pathlib import Path\n",
+                   "pytest": "import pytest\n"}
+        add = [imports[k] for k, need in needs.items() if need and not (
+            k in bound if k != "importlib" else "importlib.util" in bound)]
+        if set(want) - {"VLLM_TREE"}:
+            add.append("import torch as _torch\n")
+        pre.append("".join(add))
+        for w in want:
+            sep = "\n\n" if w in ("vllm_tree", "device", "cpu_platform",
+                                   "_accelerator_empty_cache_noop") else "\n"
+            pre.append(sep + EXPORT_HARNESS[w])
+        pre.append("\n# " + "-" * 74 + "\n")
+    new = "".join(lines[:at]) + "".join(pre) + "".join(lines[at:])
+    if not new.startswith(SPDX[0]):
+        new = "\n".join(SPDX) + "\n" + ("" if new.startswith("\n") else "\n") \
+            + new
+        done.append("vLLM's SPDX header added")
+    return new, done
+
+
+def helper_paths(src: Path) -> list[Path]:
+    """Sibling modules and packages of a test module that it names."""
+    text = src.read_text()
+    out = []
+    for p in sorted(src.parent.iterdir()):
+        stem = p.stem if p.suffix == ".py" else p.name
+        if (p.name in ("conftest.py", "__init__.py", "__pycache__")
+                or p.name.startswith(("test_", ".")) or p == src
+                or not (p.is_dir() or p.suffix == ".py")):
+            continue
+        n = re.escape(stem)
+        if re.search(rf"\bimport\s+{n}\b|\bfrom\s+{n}\b|['\"]{n}['\"]", text):
+            out.append(p)
+    return out
+
+
+def vllm_test_dir(repo: Path, rev: str, patch: Patch) -> str:
+    """Where vLLM keeps the tests of the code a patch changes most.
+
+    vLLM mirrors its package in tests/ (vllm/v1/attention/... is tested in
+    tests/v1/attention/): the deepest such directory the base has, else the
+    first two levels (a release base made from a wheel has no tests/).
+    """
+    weight: dict[str, int] = {}
+    for block in re.split(rb"(?m)^(?=diff --git )", patch.raw):
+        m = DIFF_GIT.match(block)
+        if not m or b"\ndeleted file mode " in block.split(b"\n@@", 1)[0]:
+            continue
+        path = m.group(2).decode()
+        if path.startswith("vllm/") and path.endswith(".py"):
+            weight[path] = sum(1 for ln in block.split(b"\n")[1:]
+                               if ln[:1] in (b"+", b"-")
+                               and not ln.startswith((b"+++ ", b"--- ")))
+    if not weight:
+        return "tests"
+    parts = PurePosixPath(max(weight, key=weight.__getitem__)).parts[1:-1]
+    for k in range(len(parts), 0, -1):
+        d = "tests/" + "/".join(parts[:k])
+        if git("cat-file", "-e", f"{rev}:{d}", cwd=repo,
+               check=False).returncode == 0:
+            return d
+    return "tests/" + "/".join(parts[:2]) if parts else "tests"
+
+
+def git_identity(repo: Path) -> tuple[str, str] | None:
+    name = git("config", "user.name", cwd=repo, check=False).stdout.decode()
+    email = git("config", "user.email", cwd=repo, check=False).stdout.decode()
+    if name.strip() and email.strip():
+        return name.strip(), email.strip()
+    return None
+
+
+def split_trailers(msg: str) -> tuple[str, list[tuple[str, str]]]:
+    """A commit message's text before its trailer block, and the trailers."""
+    paras = msg.strip().split("\n\n")
+    last = paras[-1].splitlines()
+    if len(paras) > 1 and last and all(
+            re.match(r"^[A-Za-z0-9][A-Za-z0-9-]*: ", ln) for ln in last):
+        return "\n\n".join(paras[:-1]), [
+            (k.strip(), v.strip()) for k, _, v in
+            (ln.partition(":") for ln in last)]
+    return msg.strip(), []
+
+
+def pr_message(patch: Patch, msg: str, tests: list[tuple[str, str, list[str]]],
+               node_ids: list[str], result: str,
+               signoff: tuple[str, str]) -> tuple[str, str]:
+    """The commit message (and the PR body) in vLLM's PR template."""
+    text, trailers = split_trailers(msg)
+    subject, _, body = text.partition("\n")
+    links = []
+    for b in patch.values("Bug"):
+        m = VLLM_ISSUE.match(b)
+        links.append(f"FIX #{m.group(1)}" if m else f"Related: {b}")
+    plan = ["Regression tests added with this change (they fail before it "
+            "and pass with it):", "", "```bash",
+            "pytest -v " + " \\\n    ".join(node_ids), "```"]
+    for dst, src, done in tests:
+        plan += ["", f"`{dst}` comes from the vllm-patches series (`{src}`), "
+                 "adapted to vLLM's test tree: "
+                 + ("; ".join(done) if done else "copied unchanged") + "."]
+    kept = [(k, v) for k, v in trailers if k.lower() not in PR_DROP_TRAILERS]
+    sob = f"{signoff[0]} <{signoff[1]}>"
+    if ("Signed-off-by", sob) not in kept:
+        kept.append(("Signed-off-by", sob))
+    pr_body = re.sub(r"\n{3,}", "\n\n", "\n".join([
+        "## Purpose", "", body.strip(), "", *links, "", "## Test Plan", "",
+        *plan, "", "## Test Result", "", result.strip()]))
+    message = (subject.strip() + "\n\n" + pr_body + "\n\n" +
+               "\n".join(f"{k}: {v}" for k, v in kept) + "\n")
+    return message, pr_body + "\n"
+
+
+def export_ref(repo: Path, name: str, force: bool) -> str:
+    if git("check-ref-format", "--branch", name, cwd=repo,
+           check=False).returncode != 0:
+        raise UserError(f"'{name}' is not a valid branch name")
+    ref = f"refs/heads/{name}"
+    for ln in gout("worktree", "list", "--porcelain", cwd=repo).splitlines():
+        if ln == f"branch {ref}":
+            raise UserError(f"branch '{name}' is checked out in a worktree of "
+                            f"{repo}; pick another --branch")
+    if (not ref.startswith(REF_NS + "/") and rev_commit(repo, ref)
+            and not force):
+        raise UserError(f"branch '{name}' exists and is not the tool's (not "
+                        f"under {REF_NS[len('refs/heads/'):]}/): pick another "
+                        "--branch, or --force to overwrite it")
+    return ref
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    series = parse_series(Path(args.series))
+    stack, entry = pick_patch(series, args.patch)
+    patches = [load_patch(series, e) for e in stack.patches]
+    idx = stack.patches.index(entry)
+    patch = patches[idx]
+    if not patch.regression:
+        raise UserError(f"patches/{entry}: no 'Tests:' trailer, so no "
+                        "regression test to carry in the PR")
+    test_files = list(dict.fromkeys(t.split("::", 1)[0] for t in patch.regression))
+    for f in test_files:
+        check_safe_relpath(f, f"patches/{entry}: test")
+        if not (series.root / f).is_file():
+            raise UserError(f"patches/{entry}: test file {f} does not exist")
+    user_repo = find_user_repo(args.repo)
+    try:
+        base = resolve_base(stack, args.base, user_repo, args.offline)
+    except BaseUnavailable as e:
+        raise UserError(f"base unavailable: {e.reason} (to get it: {e.hint})") \
+            from None
+    stem = Path(entry).stem
+    branch = args.branch or f"{REF_NS[len('refs/heads/'):]}/pr/{stem}"
+    ref = export_ref(base.repo, branch, args.force)
+    ident = git_identity(base.repo)
+    signoff = ident or IDENTITY
+    python = test_python(args.python)
+    rid = hashlib.sha1(str(git_common_dir(base.repo)).encode()).hexdigest()[:10]
+    with locked(rid):
+        key = f"{stack.name}-export"
+        wt = worktree(base.repo, key, base.commit)
+        results = {p.file: PatchResult(p.file) for p in patches[:idx + 1]}
+        needs: list[Patch] = []
+        if apply_stack(wt, [patch], results):
+            wt = worktree(base.repo, key, base.commit)
+            results = {p.file: PatchResult(p.file) for p in patches[:idx + 1]}
+            conflicts = apply_stack(wt, patches[:idx + 1], results)
+            if patch in conflicts:
+                print(f"{entry}: does not apply on {base.rev}, alone or after "
+                      "the patches before it (conflicts in "
+                      f"{', '.join(results[entry].conflict_files) or '?'})")
+                return 1
+            needs = [p for p in patches[:idx]
+                     if results[p.file].apply in ("clean", "3way")]
+        am_commit = gout("rev-parse", "HEAD", cwd=wt)
+        parent = gout("rev-parse", "HEAD~1", cwd=wt)
+        dest = args.test_dir or vllm_test_dir(wt, am_commit, patch)
+        check_safe_relpath(dest, "--test-dir")
+        placed: list[tuple[str, str, list[str]]] = []
+        renamed: dict[str, str] = {}
+        for f in test_files:
+            src = series.root / f
+            name = src.name
+            if git("cat-file", "-e", f"{am_commit}:{dest}/{name}", cwd=wt,
+                   check=False).returncode == 0:
+                name = f"{src.stem}_regression.py"
+            text, done = adapt_test_module(src, f)
+            target = wt / dest / name
+            if target.exists():
+                raise UserError(f"{dest}/{name} already exists in the tree: "
+                                "give --test-dir")
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.write_text(text)
+            added = [f"{dest}/{name}"]
+            for h in helper_paths(src):
+                files = [h] if h.is_file() else sorted(
+                    x for x in h.rglob("*") if x.is_file() and
+                    "__pycache__" not in x.parts and x.suffix != ".pyc")
+                for x in files:
+                    rel = x.relative_to(src.parent).as_posix()
+                    (wt / dest / rel).parent.mkdir(parents=True, exist_ok=True)
+                    shutil.copyfile(x, wt / dest / rel)
+                    added.append(f"{dest}/{rel}")
+                done.append(f"helper {h.name} copied alongside")
+            git("add", "-f", "--", *added, cwd=wt)
+            placed.append((f"{dest}/{name}", f, done))
+            renamed[f] = f"{dest}/{name}"
+        node_ids = [renamed[t.split("::", 1)[0]] + t[len(t.split("::", 1)[0]):]
+                    for t in patch.regression]
+        result = ("Not run by `apply.py export` (give --run-tests, or paste "
+                  "the Test Plan's output before and after this change).")
+        if args.run_tests:
+            result = export_test_result(series, base, patch, parent, am_commit,
+                                        stack, python)
+        msg = gout("log", "-1", "--format=%B", am_commit, cwd=wt)
+        message, body = pr_message(patch, msg, placed, node_ids, result, signoff)
+        tree = gout("write-tree", cwd=wt)
+        who = gout("log", "-1", "--format=%an%x00%ae%x00%ad", "--date=raw",
+                   am_commit, cwd=wt).split("\0")
+        env = {"GIT_AUTHOR_NAME": who[0], "GIT_AUTHOR_EMAIL": who[1],
+               "GIT_AUTHOR_DATE": who[2], "GIT_COMMITTER_NAME": signoff[0],
+               "GIT_COMMITTER_EMAIL": signoff[1], "GIT_COMMITTER_DATE": who[2]}
+        commit = gout("commit-tree", tree, "-p", parent, cwd=wt, env=env,
+                      input=message.encode())
+        git("update-ref", "-m", f"apply.py export {entry}", ref, commit,
+            cwd=base.repo)
+    out_dir = cache_dir() / "export"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    body_file = out_dir / f"{stem}.md"
+    body_file.write_text(body)
+    subject = patch.subject
+    remote_branch = branch.split("/", 1)[1] if branch.startswith(
+        REF_NS[len("refs/heads/"):] + "/") else branch
+    on = (f"{base.rev} ({base.commit[:12]})" if not needs else
+          f"{needs[-1].file} ({parent[:12]}) on {base.rev}")
+    print(f"{ref} in {base.repo}")
+    print(f"  {commit[:12]} {subject}")
+    print(f"  parent: {on}")
+    if needs:
+        print(f"  note: {entry} does not apply on {base.rev} alone; the branch "
+              f"is based on the patches before it: "
+              f"{', '.join(p.file for p in needs)} (open those PRs first, or "
+              "say in this one that it depends on them)")
+    for dst, src, done in placed:
+        print(f"  test: {dst} (from {src}; " + ("; ".join(done) or "unchanged")
+              + ")")
+    print(f"  signed off by: {signoff[0]} <{signoff[1]}>"
+          + ("" if ident else " (no git identity configured: the project's)"))
+    print(f"  PR description: {body_file}")
+    if base.source in ("cache", "pypi"):
+        print(f"  note: {base.repo} is the tool's cache: its {base.rev} is the "
+              "release's Python sources (from the wheel), not vLLM's history. "
+              "To open the PR, export in a vLLM clone "
+              f"(apply.py export {stem} --repo ~/src/vllm), or carry the "
+              f"commit there: git -C {base.repo} format-patch -1 --stdout "
+              f"{ref} | git -C ~/src/vllm am -b")
+    print("to open the PR (vLLM takes PRs against main: rebase the branch there "
+          "first if its base is a release):")
+    print(f"  git -C {shlex.quote(str(base.repo))} push YOUR_FORK_REMOTE "
+          f"{ref}:refs/heads/{remote_branch}")
+    print(f"  gh pr create --repo vllm-project/vllm --base main --head "
+          f"YOUR_GITHUB_USER:{remote_branch} --title {shlex.quote(subject)} "
+          f"--body-file {shlex.quote(str(body_file))}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(
+            {"patch": entry, "ref": ref, "repo": str(base.repo), "commit": commit,
+             "parent": parent, "base": base.rev, "base_commit": base.commit,
+             "needs": [p.file for p in needs],
+             "tests": [{"file": d, "from": s, "adapted": a} for d, s, a in placed],
+             "body_file": str(body_file)}, indent=2) + "\n")
+    return 0
+
+
+def export_test_result(series: Series, base: Base, patch: Patch, parent: str,
+                       patched: str, stack: Stack, python: str) -> str:
+    """The regression tests run (series harness) before and with the change."""
+    before_wt = worktree(base.repo, f"{stack.name}-export-base", parent)
+    ids = patch.regression
+    before, _ = run_tests(series.root, before_wt, ids, python, "export, before")
+    after_wt = worktree(base.repo, f"{stack.name}-export-after", patched)
+    after, _ = run_tests(series.root, after_wt, ids, python, "export, with it")
+    rows = [f"| `{t}` | {before[t][0]} | {after[t][0]} |" for t in ids]
+    return "\n".join([
+        "Run by `apply.py export --run-tests` with the series' harness "
+        f"(`{ids[0].split('::')[0]}` against the tree before and with this "
+        "change):", "",
+        "| test | before | with this change |", "|---|---|---|", *rows])
+
+
 def add_deliver_commands(sub: argparse._SubParsersAction) -> None:
-    pass
+    fmt = argparse.RawDescriptionHelpFormatter
+    w = sub.add_parser(
+        "wheel", formatter_class=fmt,
+        help="patched vLLM wheel from the official one (no CUDA build)",
+        description="Apply a stack and write the official vLLM wheel of the "
+        "base's release with exactly the files the patched tree changes "
+        "replaced (new ones added, deleted ones removed), a PEP 440 local "
+        "version naming the series (<release>+<stack>.<hash>) in its metadata "
+        "and vllm/_version.py, and RECORD regenerated by 'wheel pack'. Refuses "
+        "a series that changes compiled sources (csrc/, CMake, *.cu, *.cpp, "
+        "setup.py) and a wheel of another version. Needs the 'wheel' package "
+        "(>=0.48) in the --python.",
+        epilog="example:\n  python apply.py wheel --stack tq --out dist\n"
+        "  python apply.py wheel --base v0.20.2 --from-wheel "
+        "vllm-0.20.2-cp38-abi3-manylinux_2_35_x86_64.whl")
+    w.add_argument("--base", default=argparse.SUPPRESS,
+                   help="base release vX.Y.Z (default: the stack's pin)")
+    w.add_argument("--from-wheel", metavar="FILE",
+                   help="the official wheel (default: from the tool's cache, "
+                   "else downloaded with pip)")
+    w.add_argument("--out", default="dist", help="output directory (default: "
+                   "./dist)")
+    w.set_defaults(func=cmd_wheel)
+    common(w, "stack", "repo", "python", "offline", "json")
+
+    e = sub.add_parser(
+        "export", formatter_class=fmt,
+        help="one upstream PR branch for one patch",
+        description="Create a branch (default refs/heads/patched/pr/<patch>) in "
+        "the vLLM repository (--repo, else the tool's cache) with the patch as "
+        "one commit on the stack's base (or on the patches before it, when it "
+        "only applies there), its message in vLLM's PR template (Purpose, Test "
+        "Plan, Test Result; FIX #N from Bug: issues), signed off, and its "
+        "regression test adapted into vLLM's tests/. Prints the push and "
+        "PR-creation commands. The checkout, its index and other branches are "
+        "never touched.",
+        epilog="example:\n  python apply.py export tq/0001 --repo ~/src/vllm\n"
+        "  git -C ~/src/vllm log -1 -p patched/pr/0001-...")
+    e.add_argument("patch", help="patch file name or unique prefix")
+    e.add_argument("--branch", help="branch name (default: patched/pr/<patch>)")
+    e.add_argument("--base", default=argparse.SUPPRESS,
+                   help="base revision (default: the stack's pin)")
+    e.add_argument("--test-dir", help="where the test goes in vLLM's tree "
+                   "(default: tests/ mirroring the changed module)")
+    e.add_argument("--run-tests", action="store_true",
+                   help="run the regression tests before and with the change "
+                   "and put the results in Test Result")
+    e.add_argument("--force", action="store_true",
+                   help="overwrite an existing branch outside the tool's "
+                   "namespace")
+    e.set_defaults(func=cmd_export)
+    common(e, "repo", "python", "offline", "json")
 
 
 # --------------------------------------------------------------------------

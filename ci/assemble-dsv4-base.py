@@ -7,11 +7,13 @@ No single public commit is known to hold *both* pre-fix files, so each patch
 is pinned to the commit of the one file it changes (see ``series``):
 
 * ``dsv4/0001``: ``vllm/v1/attention/ops/rocm_aiter_dsv4_decode.py`` at
-  vllm-project/vllm 3fccdd96d4db (PR 40889 head at the time: the scratch
-  caches the AITER work plan by shape key).
+  vllm-project/vllm 3fccdd96d4db, a PR 40889 commit reachable from the pull
+  refs (its ``AiterSparseScratch`` caches the AITER work plan by shape key).
+  At a20791434ee0 the file already carries PR 40892's fix.
 * ``dsv4/0002``: ``vllm/model_executor/layers/deepseek_compressor.py`` at
-  ChuanLi1101/vllm a20791434ee0 (branch rocm/aiter-mla-dsv4-decode-cudagraph:
-  ``_forward_old`` rotates with the chunk's last position).
+  ChuanLi1101/vllm a20791434ee0, in the fork of the PRs' author
+  (``_forward_old`` rotates with the chunk's last position). The file at
+  3fccdd96d4db is not known.
 
 For the targeted tests we need one importable tree holding both: the vLLM
 v0.20.0 release (Python sources of the PyPI wheel, which already carries the
@@ -30,6 +32,7 @@ from either
 
 Usage (stdlib only, Python >= 3.10)::
 
+    python3 ci/assemble-dsv4-base.py --print-fetch   # the git fetch commands
     pip download --no-deps --only-binary=:all: vllm==0.20.0 -d /tmp/h6/dl
     python3 ci/assemble-dsv4-base.py --wheel /tmp/h6/dl/vllm-0.20.0-*.whl \\
         --fetched /tmp/h6/fetched /tmp/h6/vllm
@@ -51,7 +54,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 WHEEL_NAME = "vllm-0.20.0-cp38-abi3-manylinux_2_35_x86_64.whl"
-# sha256 published on PyPI for the file above.
+# sha256 of the file above as pip downloads it from PyPI.
 WHEEL_SHA256 = "24d28892e210200f6e1bd13f699c42a74cd2bb7364c11248e2348f677c7f6dfb"
 
 IDENT = "vllm-patch-series"
@@ -67,6 +70,8 @@ class Pin:
     commit: str
     path: str
     chars: int  # length of the file's text, a guard against a bad save
+    # Git blob id the patch's "index" line names as its preimage.
+    blob: str
 
     @property
     def url(self) -> str:
@@ -85,6 +90,7 @@ PINS = (
         commit="3fccdd96d4db06e31ad24274bca32661f65948ea",
         path="vllm/v1/attention/ops/rocm_aiter_dsv4_decode.py",
         chars=10075,
+        blob="2e847a4191c981db262e78b5c1980d20be7593c6",
     ),
     Pin(
         patch="dsv4/0002-rocm-dsv4-compressor-first-token-rope.patch",
@@ -93,6 +99,7 @@ PINS = (
         commit="a20791434ee06cc619df33543becd8a838e4d431",
         path="vllm/model_executor/layers/deepseek_compressor.py",
         chars=25663,
+        blob="a3afec4f5117ee55aa1081e7c72c6b588313051d",
     ),
 )
 
@@ -104,7 +111,11 @@ def die(msg: str) -> None:
 
 def git(*args: str, cwd: Path, env: dict[str, str] | None = None) -> str:
     return subprocess.run(
-        ["git", *args], cwd=cwd, env=env, check=True, text=True,
+        ["git", *args],
+        cwd=cwd,
+        env=env,
+        check=True,
+        text=True,
         capture_output=True,
     ).stdout
 
@@ -118,17 +129,25 @@ def read_pinned(pin: Pin, fetched: Path | None, repo: Path | None) -> bytes:
         try:
             git("cat-file", "-e", f"{pin.commit}^{{commit}}", cwd=repo)
         except subprocess.CalledProcessError:
-            die(f"{pin.commit} is not in {repo}; run there: "
-                f"git fetch {pin.url} {pin.commit}")
+            die(
+                f"{pin.commit} is not in {repo}; run there: "
+                f"git fetch {pin.url} {pin.commit}"
+            )
         return subprocess.run(
-            ["git", "show", f"{pin.commit}:{pin.path}"], cwd=repo,
-            check=True, capture_output=True,
+            ["git", "show", f"{pin.commit}:{pin.path}"],
+            cwd=repo,
+            check=True,
+            capture_output=True,
         ).stdout
     assert fetched is not None
     src = fetched / pin.slug / pin.path
     if not src.is_file():
         die(f"missing {src}: save {pin.url}/blob/{pin.commit}/{pin.path} there")
     return src.read_bytes()
+
+
+def blob_id(data: bytes) -> str:
+    return hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
 
 
 def extract_wheel(wheel: Path, out: Path) -> None:
@@ -138,17 +157,23 @@ def extract_wheel(wheel: Path, out: Path) -> None:
     with zipfile.ZipFile(wheel) as zf:
         # Same as: unzip -q WHEEL 'vllm/*' -x '*.so' -d OUT
         members = [
-            m for m in zf.namelist()
-            if m.startswith("vllm/") and not m.endswith(".so")
-            and not m.endswith("/")
+            m
+            for m in zf.namelist()
+            if m.startswith("vllm/") and not m.endswith(".so") and not m.endswith("/")
         ]
         zf.extractall(out, members)
 
 
 def commit_base(out: Path) -> str:
-    env = dict(os.environ, GIT_AUTHOR_DATE=DATE, GIT_COMMITTER_DATE=DATE,
-               GIT_AUTHOR_NAME=IDENT, GIT_AUTHOR_EMAIL=EMAIL,
-               GIT_COMMITTER_NAME=IDENT, GIT_COMMITTER_EMAIL=EMAIL)
+    env = dict(
+        os.environ,
+        GIT_AUTHOR_DATE=DATE,
+        GIT_COMMITTER_DATE=DATE,
+        GIT_AUTHOR_NAME=IDENT,
+        GIT_AUTHOR_EMAIL=EMAIL,
+        GIT_COMMITTER_NAME=IDENT,
+        GIT_COMMITTER_EMAIL=EMAIL,
+    )
     git("init", "-q", "-b", "main", cwd=out)
     # Tests import from this tree; keep their bytecode out of `git status`.
     (out / ".git" / "info" / "exclude").write_text("__pycache__/\n*.pyc\n")
@@ -161,34 +186,54 @@ def commit_base(out: Path) -> str:
         "",
     ]
     lines += [f"  {p.path}\n    {p.url} {p.commit}" for p in PINS]
-    git("-c", "commit.gpgsign=false", "commit", "-q", "-m", "\n".join(lines),
-        cwd=out, env=env)
+    git(
+        "-c",
+        "commit.gpgsign=false",
+        "commit",
+        "-q",
+        "-m",
+        "\n".join(lines),
+        cwd=out,
+        env=env,
+    )
     git("tag", "-f", "base", cwd=out)
     return git("rev-parse", "HEAD", cwd=out).strip()
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("out", type=Path, help="directory to create (the base tree)")
-    ap.add_argument("--wheel", type=Path, required=False,
-                    help=f"path to {WHEEL_NAME}")
+    ap.add_argument(
+        "out", type=Path, nargs="?", help="directory to create (the base tree)"
+    )
+    ap.add_argument("--wheel", type=Path, required=False, help=f"path to {WHEEL_NAME}")
     src = ap.add_mutually_exclusive_group()
-    src.add_argument("--fetched", type=Path,
-                     help="directory of <owner>-<name>-<commit>/<path> files")
-    src.add_argument("--from-git", type=Path, dest="repo",
-                     help="git repository holding the pinned commits")
-    ap.add_argument("--print-fetch", action="store_true",
-                    help="print the git fetch commands for the pins and exit")
-    ap.add_argument("--force", action="store_true",
-                    help="replace OUT if it exists")
+    src.add_argument(
+        "--fetched", type=Path, help="directory of <owner>-<name>-<commit>/<path> files"
+    )
+    src.add_argument(
+        "--from-git",
+        type=Path,
+        dest="repo",
+        help="git repository holding the pinned commits",
+    )
+    ap.add_argument(
+        "--print-fetch",
+        action="store_true",
+        help="print the git fetch commands for the pins and exit",
+    )
+    ap.add_argument("--force", action="store_true", help="replace OUT if it exists")
     args = ap.parse_args(argv)
 
     if args.print_fetch:
         print("\n".join(fetch_commands()))
         return 0
+    if args.out is None:
+        die("give the directory to create the base tree in")
     if args.wheel is None or not args.wheel.is_file():
-        die(f"--wheel: give {WHEEL_NAME} (pip download --no-deps "
-            "--only-binary=:all: vllm==0.20.0 -d DIR)")
+        die(
+            f"--wheel: give {WHEEL_NAME} (pip download --no-deps "
+            "--only-binary=:all: vllm==0.20.0 -d DIR)"
+        )
     if args.fetched is None and args.repo is None:
         die("give --fetched DIR or --from-git REPO for the pinned files")
     if args.out.exists():
@@ -200,8 +245,19 @@ def main(argv: list[str] | None = None) -> int:
     for pin in PINS:
         n = len(contents[pin.path].decode("utf-8"))
         if n != pin.chars:
-            die(f"{pin.path}: {n} characters, expected {pin.chars} at "
-                f"{pin.repo}@{pin.commit}")
+            die(
+                f"{pin.path}: {n} characters, expected {pin.chars} at "
+                f"{pin.repo}@{pin.commit}"
+            )
+
+        if blob_id(contents[pin.path]) != pin.blob:
+            # Not fatal: the patches were made against this blob; a different
+            # one means they may need `git am -3` (and a re-export).
+            print(
+                f"assemble-dsv4-base: warning: {pin.path} is blob "
+                f"{blob_id(contents[pin.path])}, the patch expects {pin.blob}",
+                file=sys.stderr,
+            )
 
     args.out.mkdir(parents=True)
     extract_wheel(args.wheel, args.out)

@@ -164,8 +164,8 @@ def test_unavailable_base_is_skipped_not_passed(fx: Fixture) -> None:
     assert p.returncode == 1  # nothing ran at all
     st = fx.report(out)["stacks"][0]
     assert st["status"] == "skipped"
-    assert st["fetch"].endswith(
-        "git fetch https://example.invalid/vllm " + "ab" * 20)
+    assert st["fetch"] == (f"git -C {fx.cache / 'vllm.git'} fetch "
+                           "https://example.invalid/vllm " + "ab" * 20)
     assert all(r["apply"] == "skipped" for r in st["patches"])
     assert "not verified" in p.stdout and "WARNING" in p.stdout
 
