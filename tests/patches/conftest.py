@@ -7,7 +7,8 @@ it for each tree it tests (the unpatched base and the patched tree); by hand:
 
     VLLM_TREE=/path/to/vllm-checkout .venv/bin/python -m pytest tests/patches
 
-Without ``VLLM_TREE`` every test here is skipped, with that reason.
+Without ``VLLM_TREE`` every test here is skipped, with that reason, but for
+those marked ``no_tree`` (they test our own fakes, not vLLM).
 
 What a source tree on a CPU-only machine needs, done here openly rather than
 by editing the tree under test:
@@ -53,6 +54,9 @@ if TREE:
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "gpu: needs a CUDA GPU; skipped elsewhere")
+    config.addinivalue_line(
+        "markers", "no_tree: needs no vLLM tree; runs without VLLM_TREE too"
+    )
 
 
 def pytest_collection_modifyitems(
@@ -64,7 +68,7 @@ def pytest_collection_modifyitems(
     for item in items:
         if here not in Path(item.fspath).parents:
             continue
-        if not TREE:
+        if not TREE and "no_tree" not in item.keywords:
             item.add_marker(no_tree)
         elif "gpu" in item.keywords and not HAS_CUDA:
             item.add_marker(no_gpu)

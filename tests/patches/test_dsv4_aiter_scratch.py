@@ -244,6 +244,7 @@ def test_scratch_pointers_stable_across_steps(
     assert fake_aiter.calls["get_mla_metadata_info_v1"] == 2
 
 
+@pytest.mark.no_tree
 def test_fake_aiter_faults_on_stale_plan(fake_aiter: ModuleType) -> None:
     """The fake's contract itself: a plan written for other kv lengths is
     refused, a fresh one is served."""
