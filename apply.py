@@ -1967,7 +1967,7 @@ def cmd_wheel(args: argparse.Namespace) -> int:
     out_dir = Path(args.out).expanduser().resolve()
     out_dir.mkdir(parents=True, exist_ok=True)
     say(f"apply.py wheel: {src.name} + stack {stack.name} ({len(patches)} "
-        f"patches, {len(changes)} files) -> {version}")
+        f"patch(es), {len(changes)} file(s)) -> {version}")
     timings = {}
     notes = []
     with tempfile.TemporaryDirectory(dir=out_dir, prefix=".apply-wheel-") as tmp:
@@ -2034,7 +2034,7 @@ def cmd_wheel(args: argparse.Namespace) -> int:
     size = out.stat().st_size
     delta = size - src_size
     print(out)
-    print(f"  vllm {version}: stack {stack.name} ({len(patches)} patches) on "
+    print(f"  vllm {version}: stack {stack.name} ({len(patches)} patch(es)) on "
           f"{base.rev} ({base.commit[:12]}), from {src.name}")
     for path, status in shipped.items():
         print(f"    {status} {path}")
@@ -2059,6 +2059,10 @@ def cmd_wheel(args: argparse.Namespace) -> int:
 
 VLLM_ISSUE = re.compile(r"^https://github\.com/vllm-project/vllm/issues/(\d+)/?$")
 PR_DROP_TRAILERS = {"bug", "upstream-status", "tests"}
+# Subject component -> vLLM's test directory for it.
+COMPONENT_TESTS = {"attention": "tests/v1/attention",
+                   "turboquant": "tests/v1/attention",
+                   "kernel": "tests/kernels", "quantization": "tests/quantization"}
 
 # The pieces of tests/patches/conftest.py an exported test module may need,
 # written for vLLM's own test tree (vllm imported directly, no VLLM_TREE).
@@ -2121,8 +2125,7 @@ def cpu_platform(vllm_tree: Path, monkeypatch: pytest.MonkeyPatch):
 
 def pick_patch(series: Series, want: str) -> tuple[Stack, str]:
     found = [(s, e) for s in series.stacks for e in s.patches
-             if want in (e, Path(e).name, Path(e).stem)
-             or Path(e).name.startswith(want)]
+             if e.startswith(want) or Path(e).name.startswith(want)]
     if len(found) != 1:
         what = "no patch" if not found else f"{len(found)} patches"
         raise UserError(f"'{want}': {what} of the series match (give the file "
@@ -2212,10 +2215,15 @@ def adapt_test_module(src: Path, rel: str) -> tuple[str, list[str]]:
             break
         at = node.end_lineno
     lines = text.splitlines(keepends=True)
-    pre = ["\n# Adapted from the vllm-patches series (" + rel + "), which runs "
-           "it against a\n# source tree with the harness of its conftest.py: "
-           "here vllm is imported\n# directly and the harness pieces used "
-           "below are defined in this module.\n"]
+    import textwrap
+
+    note = textwrap.fill(
+        f"Adapted from the vllm-patches series ({rel}), which runs it against "
+        "a source tree with the harness of its conftest.py: here vllm is "
+        "imported directly" + (", and the harness pieces used below are "
+                               "defined in this module." if want else "."),
+        78, initial_indent="# ", subsequent_indent="# ")
+    pre = ["\n" + note + "\n"]
     if want:
         needs = {"importlib": "VLLM_TREE" in want,
                  "os": bool({"env", "VLLM_TREE"} & set(want)),
@@ -2227,14 +2235,17 @@ def adapt_test_module(src: Path, rel: str) -> tuple[str, list[str]]:
                    "pytest": "import pytest\n"}
         add = [imports[k] for k, need in needs.items() if need and not (
             k in bound if k != "importlib" else "importlib.util" in bound)]
-        if set(want) - {"VLLM_TREE"}:
+        if set(want) - {"VLLM_TREE"} and "torch" not in bound:
             add.append("import torch as _torch\n")
-        pre.append("".join(add))
+        pre.insert(0, "".join(add))  # with the module's own imports
         for w in want:
             sep = "\n\n" if w in ("vllm_tree", "device", "cpu_platform",
                                    "_accelerator_empty_cache_noop") else "\n"
-            pre.append(sep + EXPORT_HARNESS[w])
-        pre.append("\n# " + "-" * 74 + "\n")
+            piece = EXPORT_HARNESS[w]
+            if "torch" in bound:  # the module's own `import torch`
+                piece = re.sub(r"\b_torch\b", "torch", piece)
+            pre.append(sep + piece)
+        pre.append("\n\n# " + "-" * 74 + "\n")
     new = "".join(lines[:at]) + "".join(pre) + "".join(lines[at:])
     if not new.startswith(SPDX[0]):
         new = "\n".join(SPDX) + "\n" + ("" if new.startswith("\n") else "\n") \
@@ -2260,12 +2271,17 @@ def helper_paths(src: Path) -> list[Path]:
 
 
 def vllm_test_dir(repo: Path, rev: str, patch: Patch) -> str:
-    """Where vLLM keeps the tests of the code a patch changes most.
+    """Where vLLM keeps the tests of what a patch changes.
 
-    vLLM mirrors its package in tests/ (vllm/v1/attention/... is tested in
-    tests/v1/attention/): the deepest such directory the base has, else the
-    first two levels (a release base made from a wheel has no tests/).
+    By the subject's component ([Attention][TurboQuant] ...) where vLLM has
+    a test directory for it; else by the code the patch changes most: vLLM
+    mirrors its package in tests/ (vllm/model_executor/... is tested in
+    tests/model_executor/), the deepest such directory the base has, else
+    the first two levels (a release base made from a wheel has no tests/).
     """
+    for comp in re.findall(r"\[([^\]]+)\]", patch.subject.split("] ")[0] + "]"):
+        if comp.lower() in COMPONENT_TESTS:
+            return COMPONENT_TESTS[comp.lower()]
     weight: dict[str, int] = {}
     for block in re.split(rb"(?m)^(?=diff --git )", patch.raw):
         m = DIFF_GIT.match(block)
@@ -2308,32 +2324,103 @@ def split_trailers(msg: str) -> tuple[str, list[tuple[str, str]]]:
 
 
 def pr_message(patch: Patch, msg: str, tests: list[tuple[str, str, list[str]]],
-               node_ids: list[str], result: str,
-               signoff: tuple[str, str]) -> tuple[str, str]:
-    """The commit message (and the PR body) in vLLM's PR template."""
+               node_ids: list[str], result: str | None,
+               signoff: tuple[str, str], needs: list[Patch],
+               renames: dict[str, str]) -> tuple[str, str, list[str]]:
+    """The commit message and PR body in vLLM's PR template.
+
+    The patch message's own sections (a "Purpose" / "## Purpose" paragraph
+    and the like) are sorted into the template's: Purpose (with Fix and other
+    sections as its subsections), Test Plan (the carried test's command
+    first, then the patch's own plan with the series' paths replaced by the
+    exported ones), Test Result (the patch's, and ours when run). "When to
+    drop" is about the series only and is left out. Returns the message,
+    the body and the titles of the sections left out.
+    """
     text, trailers = split_trailers(msg)
     subject, _, body = text.partition("\n")
+    purpose, plan_own, result_own, dropped = [], [], [], []
+    for title, part in message_sections(body):
+        key = (title or "purpose").lower()
+        if key == "purpose":
+            purpose.append(part)
+        elif key.startswith("test plan") or key in ("testing", "tests"):
+            plan_own.append(part)
+        elif key.startswith("test result"):
+            result_own.append(part)
+        elif key == "when to drop":
+            dropped.append(title)
+        else:
+            purpose.append(f"### {title}\n\n{part}")
     links = []
     for b in patch.values("Bug"):
         m = VLLM_ISSUE.match(b)
         links.append(f"FIX #{m.group(1)}" if m else f"Related: {b}")
+    if needs:
+        links += ["", "This change applies on top of (to be merged first):"]
+        links += [f"- {p.subject}" for p in needs]
     plan = ["Regression tests added with this change (they fail before it "
             "and pass with it):", "", "```bash",
-            "pytest -v " + " \\\n    ".join(node_ids), "```"]
+            "pytest -v " + " \\\n    ".join(map(shlex.quote, node_ids)), "```"]
     for dst, src, done in tests:
         plan += ["", f"`{dst}` comes from the vllm-patches series (`{src}`), "
                  "adapted to vLLM's test tree: "
                  + ("; ".join(done) if done else "copied unchanged") + "."]
+    for part in plan_own:
+        for old in sorted(renames, key=len, reverse=True):
+            part = part.replace(old, renames[old])
+        plan += ["", re.sub(r"\bVLLM_TREE=\S+\s+", "", part)]
+    if result is None:
+        result = "" if result_own else (
+            "Not run by `apply.py export` (give --run-tests, or paste the Test "
+            "Plan's output before and after this change).")
     kept = [(k, v) for k, v in trailers if k.lower() not in PR_DROP_TRAILERS]
     sob = f"{signoff[0]} <{signoff[1]}>"
     if ("Signed-off-by", sob) not in kept:
         kept.append(("Signed-off-by", sob))
     pr_body = re.sub(r"\n{3,}", "\n\n", "\n".join([
-        "## Purpose", "", body.strip(), "", *links, "", "## Test Plan", "",
-        *plan, "", "## Test Result", "", result.strip()]))
+        "## Purpose", "", "\n\n".join(purpose), "", *links, "",
+        "## Test Plan", "", *plan, "", "## Test Result", "",
+        "\n\n".join(result_own), "", result.strip()]))
+    pr_body = pr_body.strip()
     message = (subject.strip() + "\n\n" + pr_body + "\n\n" +
                "\n".join(f"{k}: {v}" for k, v in kept) + "\n")
-    return message, pr_body + "\n"
+    return message, pr_body + "\n", dropped
+
+
+SECTION_TITLES = {"purpose", "fix", "why", "how", "test plan", "test result",
+                  "test results", "testing", "tests", "when to drop",
+                  "related pr", "future plan"}
+
+
+def message_sections(body: str) -> list[tuple[str | None, str]]:
+    """(title, text) of a commit message body's sections, in order.
+
+    A section starts at a Markdown heading (`## Fix`) or at a known title
+    alone on its line between blank lines (`Test Plan`); text before any is
+    titled None. Fenced code blocks are never split.
+    """
+    lines = body.strip("\n").splitlines()
+    out: list[tuple[str | None, list[str]]] = [(None, [])]
+    fence = False
+    for i, ln in enumerate(lines):
+        if ln.startswith("```"):
+            fence = not fence
+        title = None
+        if not fence:
+            m = re.match(r"^#{1,4} +(\S.*?)[ #]*$", ln)
+            alone = ((i == 0 or not lines[i - 1].strip()) and
+                     (i + 1 == len(lines) or not lines[i + 1].strip()))
+            if m:
+                title = m.group(1)
+            elif alone and ln.strip().rstrip(":").lower() in SECTION_TITLES:
+                title = ln.strip().rstrip(":")
+        if title:
+            out.append((title, []))
+        else:
+            out[-1][1].append(ln)
+    return [(t, "\n".join(ls).strip()) for t, ls in out
+            if t or "\n".join(ls).strip()]
 
 
 def export_ref(repo: Path, name: str, force: bool) -> str:
@@ -2368,8 +2455,18 @@ def cmd_export(args: argparse.Namespace) -> int:
         if not (series.root / f).is_file():
             raise UserError(f"patches/{entry}: test file {f} does not exist")
     user_repo = find_user_repo(args.repo)
+    base = None
+    pin = stack.file_pins.get(entry)
+    if pin and not args.base:  # the patch's own base ('#@ pin'), when at hand
+        try:
+            base = resolve_base(dataclasses.replace(stack, pins=pin,
+                                                    file_pins={}),
+                                None, user_repo, args.offline)
+        except BaseUnavailable as e:
+            say(f"apply.py export: {entry}'s own pin {pin['commit'][:12]} is "
+                f"not at hand ({e.reason}): using the stack's base")
     try:
-        base = resolve_base(stack, args.base, user_repo, args.offline)
+        base = base or resolve_base(stack, args.base, user_repo, args.offline)
     except BaseUnavailable as e:
         raise UserError(f"base unavailable: {e.reason} (to get it: {e.hint})") \
             from None
@@ -2402,6 +2499,7 @@ def cmd_export(args: argparse.Namespace) -> int:
         check_safe_relpath(dest, "--test-dir")
         placed: list[tuple[str, str, list[str]]] = []
         renamed: dict[str, str] = {}
+        renames: dict[str, str] = {}  # series paths -> vLLM tree paths
         for f in test_files:
             src = series.root / f
             name = src.name
@@ -2426,18 +2524,20 @@ def cmd_export(args: argparse.Namespace) -> int:
                     shutil.copyfile(x, wt / dest / rel)
                     added.append(f"{dest}/{rel}")
                 done.append(f"helper {h.name} copied alongside")
+                renames[(PurePosixPath(f).parent / h.name).as_posix()] = \
+                    f"{dest}/{h.name}"
             git("add", "-f", "--", *added, cwd=wt)
             placed.append((f"{dest}/{name}", f, done))
-            renamed[f] = f"{dest}/{name}"
+            renamed[f] = renames[f] = f"{dest}/{name}"
         node_ids = [renamed[t.split("::", 1)[0]] + t[len(t.split("::", 1)[0]):]
                     for t in patch.regression]
-        result = ("Not run by `apply.py export` (give --run-tests, or paste "
-                  "the Test Plan's output before and after this change).")
+        result = None
         if args.run_tests:
             result = export_test_result(series, base, patch, parent, am_commit,
                                         stack, python)
         msg = gout("log", "-1", "--format=%B", am_commit, cwd=wt)
-        message, body = pr_message(patch, msg, placed, node_ids, result, signoff)
+        message, body, dropped = pr_message(patch, msg, placed, node_ids, result,
+                                            signoff, needs, renames)
         tree = gout("write-tree", cwd=wt)
         who = gout("log", "-1", "--format=%an%x00%ae%x00%ad", "--date=raw",
                    am_commit, cwd=wt).split("\0")
@@ -2452,6 +2552,8 @@ def cmd_export(args: argparse.Namespace) -> int:
     out_dir.mkdir(parents=True, exist_ok=True)
     body_file = out_dir / f"{stem}.md"
     body_file.write_text(body)
+    patch_file = out_dir / f"{stem}.patch"  # the commit, exported as the series'
+    patch_file.write_bytes(format_patch(base.repo, commit))
     subject = patch.subject
     remote_branch = branch.split("/", 1)[1] if branch.startswith(
         REF_NS[len("refs/heads/"):] + "/") else branch
@@ -2468,16 +2570,22 @@ def cmd_export(args: argparse.Namespace) -> int:
     for dst, src, done in placed:
         print(f"  test: {dst} (from {src}; " + ("; ".join(done) or "unchanged")
               + ")")
+    if dropped:
+        print(f"  left out of the PR message (about the series only): "
+              f"{', '.join(dropped)}")
     print(f"  signed off by: {signoff[0]} <{signoff[1]}>"
           + ("" if ident else " (no git identity configured: the project's)"))
     print(f"  PR description: {body_file}")
-    if base.source in ("cache", "pypi"):
+    print(f"  as a patch file: {patch_file}")
+    if base.source in ("cache", "pypi") and re.search(
+            r"^Release: ", gout("log", "-1", "--format=%B", base.commit,
+                                cwd=base.repo), re.M):
         print(f"  note: {base.repo} is the tool's cache: its {base.rev} is the "
               "release's Python sources (from the wheel), not vLLM's history. "
               "To open the PR, export in a vLLM clone "
               f"(apply.py export {stem} --repo ~/src/vllm), or carry the "
-              f"commit there: git -C {base.repo} format-patch -1 --stdout "
-              f"{ref} | git -C ~/src/vllm am -b")
+              f"commit to a branch at {base.rev} there: git -C ~/src/vllm am -k "
+              f"{patch_file}")
     print("to open the PR (vLLM takes PRs against main: rebase the branch there "
           "first if its base is a release):")
     print(f"  git -C {shlex.quote(str(base.repo))} push YOUR_FORK_REMOTE "
@@ -2491,7 +2599,8 @@ def cmd_export(args: argparse.Namespace) -> int:
              "parent": parent, "base": base.rev, "base_commit": base.commit,
              "needs": [p.file for p in needs],
              "tests": [{"file": d, "from": s, "adapted": a} for d, s, a in placed],
-             "body_file": str(body_file)}, indent=2) + "\n")
+             "body_file": str(body_file), "patch_file": str(patch_file)},
+            indent=2) + "\n")
     return 0
 
 
@@ -2555,7 +2664,8 @@ def add_deliver_commands(sub: argparse._SubParsersAction) -> None:
     e.add_argument("--base", default=argparse.SUPPRESS,
                    help="base revision (default: the stack's pin)")
     e.add_argument("--test-dir", help="where the test goes in vLLM's tree "
-                   "(default: tests/ mirroring the changed module)")
+                   "(default: by the subject's [Component], else tests/ "
+                   "mirroring the changed module)")
     e.add_argument("--run-tests", action="store_true",
                    help="run the regression tests before and with the change "
                    "and put the results in Test Result")

@@ -1,0 +1,703 @@
+"""Targeted tests of tq/0003: TurboQuant KV cache on hybrid models.
+
+v0.20.2's ``EngineArgs.create_engine_config`` refuses ``turboquant_*`` KV
+cache dtypes for every hybrid (attention + Mamba / linear-attention) model,
+and its hybrid page-size planner (``Platform._align_hybrid_block_size``)
+sizes attention pages as if K and V were stored apart in the cache dtype,
+which is not TurboQuant's packed layout. The patch lifts the gate, finds
+the full-attention layers from the model config and sizes the hybrid page
+from TurboQuant's packed slot (and from the native layout of layers the
+user keeps out of TurboQuant).
+
+Everything runs through the real configuration code of the tree under test,
+on model configs built here (no download). What is stubbed, and why:
+
+* ``cpu_platform`` (conftest): an uninstalled tree finds no platform.
+* ``registry._run_in_subprocess`` runs in this process: vLLM inspects model
+  classes in a fresh ``python -m vllm...`` subprocess (to keep CUDA
+  uninitialised in the parent), and that subprocess cannot import an
+  uninstalled tree. Its modelinfo cache goes to a temporary
+  ``VLLM_CACHE_ROOT``.
+* The Qwen3.5 preset keeps Qwen3.5's real config (``model_type`` qwen3_5,
+  layer pattern nested in ``text_config``, architecture
+  ``Qwen3_5ForConditionalGeneration``, so its ``verify_and_update_config``
+  runs), but the architecture resolves to ``Qwen3NextForCausalLM``: vLLM's
+  ``qwen3_5`` module imports Qwen3-VL image processors that need
+  torchvision, which the CPU test environment does not have. Its language
+  model is Qwen3-Next's and ``test_qwen3_5_stub_matches_tree`` checks that
+  the two classes' Mamba-state methods are the same code.
+* The page-size path is the one a GPU worker runs after building the model:
+  ``Platform.update_block_size_for_backend`` (the CPU platform overrides it
+  with a no-op), with ``_find_non_ssm_backend`` answering the TurboQuant
+  backend the model's attention layers would hold. Attention layers are
+  real ``Attention`` modules; the backend selector is replaced by CUDA's
+  outcome (TURBOQUANT for ``turboquant_*`` layers, FLASH_ATTN otherwise).
+  Mamba layers' specs come from ``MambaBase.get_kv_cache_spec`` on the
+  model class's state shapes (building real GDN/Mamba layers would allocate
+  their weights).
+* ``llguidance`` / ``xgrammar`` (structured-output backends, not in the CPU
+  environment) get empty stand-in modules when missing:
+  ``vllm.v1.core.kv_cache_utils`` imports them through ``vllm.v1.request``
+  at class-definition time; the KV cache grouping under test never uses
+  them.
+* ``CpuPlatform.check_and_update_config`` writes process environment
+  variables; they are restored after each test.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib.util
+import math
+import os
+import sys
+import types
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+TQ_PRESETS = (
+    "turboquant_k8v4",
+    "turboquant_4bit_nc",
+    "turboquant_k3v4_nc",
+    "turboquant_3bit_nc",
+)
+# (key bits, value bits) of each preset; 8-bit keys are stored as FP8.
+TQ_BITS = {
+    "turboquant_k8v4": (8, 4),
+    "turboquant_4bit_nc": (4, 4),
+    "turboquant_k3v4_nc": (3, 4),
+    "turboquant_3bit_nc": (3, 3),
+}
+
+
+# --------------------------------------------------------------------------
+# Model configs (transformers config classes; nothing is downloaded)
+# --------------------------------------------------------------------------
+
+
+def qwen3_5_9b() -> Any:
+    """Qwen3.5-9B's text config, nested as in the released checkpoint."""
+    from transformers import Qwen3_5Config
+
+    text_config = dict(
+        num_hidden_layers=32,
+        full_attention_interval=4,
+        num_attention_heads=16,
+        num_key_value_heads=4,
+        head_dim=256,
+        hidden_size=4096,
+        intermediate_size=12288,
+        linear_num_key_heads=16,
+        linear_num_value_heads=32,
+        linear_key_head_dim=128,
+        linear_value_head_dim=128,
+        linear_conv_kernel_dim=4,
+        vocab_size=1024,
+    )
+    return Qwen3_5Config(
+        text_config=text_config, architectures=["Qwen3_5ForConditionalGeneration"]
+    )
+
+
+def qwen3_next(**overrides: Any) -> Any:
+    """Qwen3-Next-80B-A3B's shape: 48 layers, full attention every 4th."""
+    from transformers import Qwen3NextConfig
+
+    kwargs: dict[str, Any] = dict(
+        num_hidden_layers=48,
+        full_attention_interval=4,
+        num_attention_heads=16,
+        num_key_value_heads=2,
+        head_dim=256,
+        hidden_size=2048,
+        linear_num_key_heads=16,
+        linear_num_value_heads=32,
+        linear_key_head_dim=128,
+        linear_value_head_dim=128,
+        linear_conv_kernel_dim=4,
+        vocab_size=1024,
+        architectures=["Qwen3NextForCausalLM"],
+    )
+    kwargs.update(overrides)
+    return Qwen3NextConfig(**kwargs)
+
+
+def jamba(**overrides: Any) -> Any:
+    """Jamba-v0.1's shape: 32 layers, attention at 4, 12, 20, 28."""
+    from transformers import JambaConfig
+
+    kwargs: dict[str, Any] = dict(
+        num_hidden_layers=32,
+        attn_layer_period=8,
+        attn_layer_offset=4,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        hidden_size=4096,
+        mamba_d_state=16,
+        mamba_d_conv=4,
+        mamba_expand=2,
+        vocab_size=1024,
+        architectures=["JambaForCausalLM"],
+    )
+    kwargs.update(overrides)
+    return JambaConfig(**kwargs)
+
+
+def llama(num_hidden_layers: int = 32) -> Any:
+    """Dense control: Llama-3-8B's attention shape."""
+    from transformers import LlamaConfig
+
+    return LlamaConfig(
+        num_hidden_layers=num_hidden_layers,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        hidden_size=4096,
+        max_position_embeddings=4096,
+        vocab_size=1024,
+        architectures=["LlamaForCausalLM"],
+    )
+
+
+# Expected full-attention layers, written from each model's published layer
+# pattern rather than read back from the config objects.
+HYBRIDS = {
+    "qwen3_5_9b": (qwen3_5_9b, [i for i in range(32) if i % 4 == 3]),
+    "qwen3_next": (qwen3_next, [i for i in range(48) if i % 4 == 3]),
+    "jamba": (jamba, [4, 12, 20, 28]),
+}
+
+
+def v0202_boundary_skip_layers(num_layers: int) -> list[str]:
+    """v0.20.2's dense boundary protection: first and last 2 layers."""
+    n = min(2, num_layers // 2)
+    return [str(i) for i in sorted({*range(n), *range(num_layers - n, num_layers)})]
+
+
+def tq_slot_bytes(preset: str, head_size: int) -> int:
+    """Packed K|V bytes per KV head and token (TurboQuant's layout)."""
+    key_bits, value_bits = TQ_BITS[preset]
+    # FP8 keys take one byte per element; MSE keys their indices + fp16 norm.
+    key = head_size if key_bits == 8 else math.ceil(head_size * key_bits / 8) + 2
+    value = math.ceil(head_size * value_bits / 8) + 4  # data + fp16 scale, zero
+    slot = key + value
+    return slot + slot % 2
+
+
+# --------------------------------------------------------------------------
+# Fixtures and helpers
+# --------------------------------------------------------------------------
+
+
+@pytest.fixture
+def restore_environ():
+    saved = dict(os.environ)
+    yield
+    os.environ.clear()
+    os.environ.update(saved)
+
+
+@pytest.fixture
+def engine_env(cpu_platform, restore_environ, monkeypatch, tmp_path_factory):
+    """Lets ``EngineArgs.create_engine_config`` run on a CPU-only host."""
+    import vllm.model_executor.models.registry as registry
+
+    monkeypatch.setenv("VLLM_CACHE_ROOT", str(tmp_path_factory.mktemp("vllm")))
+    monkeypatch.setattr(registry, "_run_in_subprocess", lambda fn: fn())
+    monkeypatch.setitem(
+        registry.ModelRegistry.models,
+        "Qwen3_5ForConditionalGeneration",
+        registry._LazyRegisteredModel(
+            module_name="vllm.model_executor.models.qwen3_next",
+            class_name="Qwen3NextForCausalLM",
+        ),
+    )
+    return cpu_platform
+
+
+@pytest.fixture
+def tq_log(monkeypatch) -> list[str]:
+    """Messages ``create_engine_config`` logs at INFO level."""
+    import vllm.engine.arg_utils as arg_utils
+
+    messages: list[str] = []
+    real_info = arg_utils.logger.info
+
+    def info(msg: str, *args: Any, **kwargs: Any) -> None:
+        messages.append(msg % args if args else msg)
+        real_info(msg, *args, **kwargs)
+
+    monkeypatch.setattr(arg_utils.logger, "info", info)
+    return messages
+
+
+class _StandInModule(types.ModuleType):
+    """A missing optional dependency whose names appear only in annotations."""
+
+    def __getattr__(self, name: str) -> type:
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return type(name, (), {})
+
+
+@pytest.fixture
+def kv_cache_utils(monkeypatch):
+    for name in ("llguidance", "xgrammar"):
+        if name not in sys.modules and importlib.util.find_spec(name) is None:
+            monkeypatch.setitem(sys.modules, name, _StandInModule(name))
+    import vllm.v1.core.kv_cache_utils as kv_cache_utils
+
+    return kv_cache_utils
+
+
+def engine_config(
+    hf_config: Any,
+    model_dir: Path,
+    kv_cache_dtype: str = "turboquant_4bit_nc",
+    skip_layers: list[str] | None = None,
+) -> Any:
+    from vllm.engine.arg_utils import EngineArgs
+
+    hf_config.save_pretrained(model_dir)
+    return EngineArgs(
+        model=str(model_dir),
+        kv_cache_dtype=kv_cache_dtype,
+        kv_cache_dtype_skip_layers=list(skip_layers or []),
+        skip_tokenizer_init=True,
+        max_model_len=2048,
+        max_num_seqs=2,
+    ).create_engine_config()
+
+
+def attention_layer_indices(vllm_config: Any) -> list[int]:
+    """Decoder indices of attention layers, read the way the models do."""
+    text_config = vllm_config.model_config.hf_text_config
+    layer_types = getattr(text_config, "layer_types", None)
+    if layer_types is not None:
+        return [i for i, t in enumerate(layer_types) if t == "full_attention"]
+    block_types = text_config.layers_block_type  # Jamba
+    return [i for i, t in enumerate(block_types) if t == "attention"]
+
+
+def build_kv_cache_specs(vllm_config: Any, monkeypatch) -> tuple[dict, dict]:
+    """Plan the hybrid block size and build each layer's KV cache spec, as a
+    GPU worker does after constructing the model (see module docstring)."""
+    import vllm.model_executor.layers.attention.attention as attention
+    from vllm.config import set_current_vllm_config
+    from vllm.model_executor.layers.mamba.abstract import MambaBase
+    from vllm.model_executor.models import ModelRegistry
+    from vllm.platforms.interface import Platform
+    from vllm.v1.attention.backends.flash_attn import FlashAttentionBackend
+    from vllm.v1.attention.backends.turboquant_attn import (
+        TurboQuantAttentionBackend,
+    )
+
+    def select_backend(head_size, dtype, kv_cache_dtype, **kwargs):
+        if kv_cache_dtype.startswith("turboquant_"):
+            return TurboQuantAttentionBackend
+        return FlashAttentionBackend
+
+    monkeypatch.setattr(attention, "get_attn_backend", select_backend)
+    monkeypatch.setattr(
+        Platform,
+        "_find_non_ssm_backend",
+        classmethod(lambda cls, vllm_config: TurboQuantAttentionBackend),
+    )
+    Platform.update_block_size_for_backend(vllm_config)
+
+    model_config = vllm_config.model_config
+    parallel_config = vllm_config.parallel_config
+    model_cls, _ = ModelRegistry.resolve_model_cls(
+        model_config.architecture, model_config=model_config
+    )
+    mamba_layer = types.SimpleNamespace(
+        get_state_shape=lambda: model_cls.get_mamba_state_shape_from_config(
+            vllm_config
+        ),
+        get_state_dtype=lambda: model_cls.get_mamba_state_dtype_from_config(
+            vllm_config
+        ),
+        mamba_type="mamba",
+    )
+    attn_indices = attention_layer_indices(vllm_config)
+    specs: dict[str, Any] = {}
+    backends: dict[str, Any] = {}
+    with set_current_vllm_config(vllm_config):
+        for i in range(model_config.hf_text_config.num_hidden_layers):
+            if i in attn_indices:
+                layer = attention.Attention(
+                    model_config.get_num_attention_heads(parallel_config),
+                    model_config.get_head_size(),
+                    1.0,
+                    num_kv_heads=model_config.get_num_kv_heads(parallel_config),
+                    cache_config=vllm_config.cache_config,
+                    prefix=f"model.layers.{i}.self_attn.attn",
+                )
+                specs[layer.layer_name] = layer.get_kv_cache_spec(vllm_config)
+                backends[layer.layer_name] = layer.get_attn_backend()
+            else:
+                name = f"model.layers.{i}.mixer"
+                specs[name] = MambaBase.get_kv_cache_spec(mamba_layer, vllm_config)
+    return specs, backends
+
+
+def check_kv_cache_specs(
+    vllm_config: Any,
+    specs: dict,
+    backends: dict,
+    kv_cache_utils: Any,
+    preset: str,
+    tq_layers: list[int],
+    native_layers: list[int],
+) -> None:
+    """The invariants the KV cache manager and the runner rely on."""
+    from vllm.config import set_current_vllm_config
+    from vllm.v1.kv_cache_interface import (
+        AttentionSpec,
+        MambaSpec,
+        TQFullAttentionSpec,
+    )
+    from vllm.v1.worker.utils import select_common_block_size
+
+    model_config = vllm_config.model_config
+    cache_config = vllm_config.cache_config
+    num_kv_heads = model_config.get_num_kv_heads(vllm_config.parallel_config)
+    head_size = model_config.get_head_size()
+    tq_token = num_kv_heads * tq_slot_bytes(preset, head_size)
+    native_token = num_kv_heads * 2 * head_size * model_config.dtype.itemsize
+
+    # TurboQuant exactly on the attention layers not kept native.
+    by_kind: dict[str, list[int]] = {"tq": [], "native": [], "mamba": []}
+    for name, spec in specs.items():
+        index = int(name.split(".")[2])
+        if isinstance(spec, TQFullAttentionSpec):
+            by_kind["tq"].append(index)
+            assert spec.page_size_bytes == spec.block_size * tq_token
+        elif isinstance(spec, AttentionSpec):
+            by_kind["native"].append(index)
+            assert spec.page_size_bytes == spec.block_size * native_token
+        else:
+            assert isinstance(spec, MambaSpec)
+            by_kind["mamba"].append(index)
+    assert by_kind["tq"] == tq_layers
+    assert by_kind["native"] == native_layers
+
+    # The KV cache manager gives all groups one physical page size; it raises
+    # when a layer's page does not divide the largest one.
+    groups = kv_cache_utils.get_kv_cache_groups(vllm_config, specs)
+    pages = {g.kv_cache_spec.page_size_bytes for g in groups}
+    assert len(pages) == 1
+    (page,) = pages
+
+    # That page is the Mamba state page, padded to block_size times the
+    # per-token unit, and every layer's own page divides it.
+    mamba_pages = {
+        specs[f"model.layers.{i}.mixer"].page_size_bytes for i in by_kind["mamba"]
+    }
+    assert mamba_pages == {page}
+    # Padded unless the state happens to fill whole attention pages already.
+    assert cache_config.mamba_page_size_padded in (None, page)
+    unit = math.lcm(tq_token, native_token) if native_layers else tq_token
+    assert page == cache_config.block_size * unit
+    for spec in specs.values():
+        assert page % spec.page_size_bytes == 0
+
+    with set_current_vllm_config(vllm_config):
+        for group in groups:
+            if isinstance(group.kv_cache_spec, AttentionSpec):
+                group_backends = {backends[name] for name in group.layer_names}
+                # Raises if no kernel block size of the backends divides the
+                # group's block size.
+                select_common_block_size(
+                    group.kv_cache_spec.block_size, list(group_backends)
+                )
+    (kv_cache_config,) = kv_cache_utils.get_kv_cache_configs(
+        vllm_config, [specs], [4 * 2**30]
+    )
+    assert kv_cache_config.num_blocks > 0
+    for tensor in kv_cache_config.kv_cache_tensors:
+        assert tensor.size == kv_cache_config.num_blocks * page
+
+
+# --------------------------------------------------------------------------
+# Regression: the v0.20.2 gate
+# --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", sorted(HYBRIDS))
+def test_hybrid_engine_config_accepts_turboquant(engine_env, tmp_path, name):
+    make_config, _ = HYBRIDS[name]
+    vllm_config = engine_config(make_config(), tmp_path)
+    assert vllm_config.model_config.is_hybrid
+    assert vllm_config.cache_config.cache_dtype == "turboquant_4bit_nc"
+
+
+# --------------------------------------------------------------------------
+# Which layers use TurboQuant
+# --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", sorted(HYBRIDS))
+def test_hybrid_tq_layers_are_full_attention_layers(
+    engine_env, tq_log, kv_cache_utils, monkeypatch, tmp_path, name
+):
+    make_config, expected = HYBRIDS[name]
+    vllm_config = engine_config(make_config(), tmp_path)
+    assert f"TQ hybrid: full-attention layers {expected}" in tq_log
+    # Boundary skips are attention layers only; none by default on a
+    # hybrid, and none of v0.20.2's raw decoder indices (which are Mamba /
+    # linear-attention layers here) leaks in.
+    skips = vllm_config.cache_config.kv_cache_dtype_skip_layers
+    assert {int(i) for i in skips} <= set(expected)
+    assert skips == []
+    specs, backends = build_kv_cache_specs(vllm_config, monkeypatch)
+    check_kv_cache_specs(
+        vllm_config,
+        specs,
+        backends,
+        kv_cache_utils,
+        "turboquant_4bit_nc",
+        tq_layers=expected,
+        native_layers=[],
+    )
+
+
+@pytest.mark.parametrize("name", sorted(HYBRIDS))
+def test_hybrid_user_skip_layers_keep_native_dtype(
+    engine_env, kv_cache_utils, monkeypatch, tmp_path, name
+):
+    make_config, expected = HYBRIDS[name]
+    # The first and last attention layers, plus layer 0 (not an attention
+    # layer in any of these models: it has no KV cache to keep).
+    skipped = [expected[0], expected[-1]]
+    vllm_config = engine_config(
+        make_config(), tmp_path, skip_layers=[str(i) for i in [0, *skipped]]
+    )
+    specs, backends = build_kv_cache_specs(vllm_config, monkeypatch)
+    check_kv_cache_specs(
+        vllm_config,
+        specs,
+        backends,
+        kv_cache_utils,
+        "turboquant_4bit_nc",
+        tq_layers=[i for i in expected if i not in skipped],
+        native_layers=skipped,
+    )
+
+
+@pytest.mark.parametrize(
+    "num_layers, user_skip", [(32, []), (32, ["5"]), (3, []), (1, []), (36, ["35"])]
+)
+def test_dense_skip_layers_unchanged(engine_env, tmp_path, num_layers, user_skip):
+    vllm_config = engine_config(llama(num_layers), tmp_path, skip_layers=user_skip)
+    expected = sorted(
+        set(v0202_boundary_skip_layers(num_layers)) | set(user_skip), key=int
+    )
+    assert vllm_config.cache_config.kv_cache_dtype_skip_layers == expected
+    assert not vllm_config.model_config.is_hybrid
+
+
+@pytest.mark.parametrize(
+    "name, make_config",
+    [
+        ("qwen3_next", lambda: qwen3_next(layer_types=["linear_attention"] * 48)),
+        ("jamba", lambda: jamba(attn_layer_period=64, attn_layer_offset=40)),
+    ],
+)
+def test_hybrid_without_attention_layer_is_rejected(
+    engine_env, tmp_path, name, make_config
+):
+    with pytest.raises(
+        NotImplementedError,
+        match="full-attention layers of a hybrid .* none could be identified",
+    ):
+        engine_config(make_config(), tmp_path)
+
+
+def test_full_attention_layer_conventions(vllm_tree):
+    """The conventions beyond the presets: MiniMax's ``attn_type_list``,
+    Zamba2's "hybrid" layers, a text config nested in a multimodal one."""
+    from vllm.model_executor.layers.quantization.turboquant.config import (
+        get_full_attention_layer_indices,
+    )
+
+    def model_config(text: Any, top: Any | None = None) -> Any:
+        return types.SimpleNamespace(hf_text_config=text, hf_config=top or text)
+
+    ns = types.SimpleNamespace
+    minimax = ns(attn_type_list=[0] * 7 + [1] + [0] * 7 + [1])
+    assert get_full_attention_layer_indices(model_config(minimax)) == [7, 15]
+    zamba2 = ns(layers_block_type=["mamba", "mamba", "hybrid"] * 3)
+    assert get_full_attention_layer_indices(model_config(zamba2)) == [2, 5, 8]
+    nested = ns(layer_types=["linear_attention", "full_attention"] * 2)
+    wrapper = ns(text_config=nested)
+    assert get_full_attention_layer_indices(model_config(nested, wrapper)) == [1, 3]
+    # Sliding-window layers are not full attention; nothing known: [].
+    swa = ns(layer_types=["sliding_attention", "linear_attention"])
+    assert get_full_attention_layer_indices(model_config(swa)) == []
+    assert get_full_attention_layer_indices(model_config(ns())) == []
+
+
+# --------------------------------------------------------------------------
+# Page sizes
+# --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", sorted(HYBRIDS))
+def test_hybrid_page_planner_uses_tq_slot(
+    engine_env, kv_cache_utils, monkeypatch, tmp_path, name
+):
+    """The planner bug on its own, past the gate: v0.20.2 sizes the attention
+    page as 2 * head_size bytes per KV head and token, so TurboQuant pages
+    (slot_size_aligned bytes) no longer divide the padded Mamba page and
+    the KV cache manager cannot unify them. The config is created with the
+    native dtype and switched to TurboQuant afterwards, as a user who
+    removed the gate would have it (no skip layers on either tree)."""
+    make_config, expected = HYBRIDS[name]
+    vllm_config = engine_config(make_config(), tmp_path, kv_cache_dtype="auto")
+    vllm_config.cache_config.cache_dtype = "turboquant_4bit_nc"
+    specs, backends = build_kv_cache_specs(vllm_config, monkeypatch)
+    check_kv_cache_specs(
+        vllm_config,
+        specs,
+        backends,
+        kv_cache_utils,
+        "turboquant_4bit_nc",
+        tq_layers=expected,
+        native_layers=[],
+    )
+
+
+@pytest.mark.parametrize("preset", TQ_PRESETS)
+@pytest.mark.parametrize("name", sorted(HYBRIDS))
+def test_hybrid_page_size_unifies_with_mamba(
+    engine_env, kv_cache_utils, monkeypatch, tmp_path, name, preset
+):
+    make_config, expected = HYBRIDS[name]
+    vllm_config = engine_config(make_config(), tmp_path, kv_cache_dtype=preset)
+    specs, backends = build_kv_cache_specs(vllm_config, monkeypatch)
+    check_kv_cache_specs(
+        vllm_config, specs, backends, kv_cache_utils, preset, expected, []
+    )
+
+
+@pytest.mark.parametrize("preset", TQ_PRESETS)
+def test_hybrid_page_size_unifies_with_skip_layers(
+    engine_env, kv_cache_utils, monkeypatch, tmp_path, preset
+):
+    _, expected = HYBRIDS["qwen3_5_9b"]
+    skipped = [expected[0], expected[-1]]
+    vllm_config = engine_config(
+        qwen3_5_9b(),
+        tmp_path,
+        kv_cache_dtype=preset,
+        skip_layers=[str(i) for i in skipped],
+    )
+    specs, backends = build_kv_cache_specs(vllm_config, monkeypatch)
+    tq_layers = [i for i in expected if i not in skipped]
+    check_kv_cache_specs(
+        vllm_config, specs, backends, kv_cache_utils, preset, tq_layers, skipped
+    )
+
+
+@st.composite
+def hybrid_shapes(draw) -> dict[str, Any]:
+    num_layers = draw(st.integers(2, 16))
+    # At least one attention and one linear-attention (Mamba-like) layer.
+    attn = draw(
+        st.lists(
+            st.integers(0, num_layers - 1),
+            min_size=1,
+            max_size=num_layers - 1,
+            unique=True,
+        )
+    )
+    num_kv_heads = draw(st.sampled_from([1, 2, 4, 8]))
+    linear_key_heads = draw(st.sampled_from([1, 2, 4, 16]))
+    return dict(
+        layer_types=[
+            "full_attention" if i in attn else "linear_attention"
+            for i in range(num_layers)
+        ],
+        head_dim=draw(st.sampled_from([64, 80, 96, 128, 192, 256])),
+        num_key_value_heads=num_kv_heads,
+        num_attention_heads=num_kv_heads * draw(st.sampled_from([1, 2, 4])),
+        linear_num_key_heads=linear_key_heads,
+        linear_num_value_heads=linear_key_heads * draw(st.sampled_from([1, 2])),
+        linear_key_head_dim=draw(st.sampled_from([64, 128])),
+        linear_value_head_dim=draw(st.sampled_from([64, 128])),
+        preset=draw(st.sampled_from(TQ_PRESETS)),
+        skipped=sorted(draw(st.sets(st.sampled_from(sorted(attn))))),
+    )
+
+
+@settings(
+    max_examples=20,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture],
+)
+@given(shape=hybrid_shapes())
+def test_hybrid_kv_cache_specs_consistent(
+    engine_env, kv_cache_utils, monkeypatch, tmp_path_factory, shape
+):
+    shape = dict(shape)
+    preset, skipped = shape.pop("preset"), shape.pop("skipped")
+    num_layers = len(shape["layer_types"])
+    hf_config = qwen3_next(
+        num_hidden_layers=num_layers,
+        hidden_size=shape["num_attention_heads"] * shape["head_dim"],
+        **shape,
+    )
+    vllm_config = engine_config(
+        hf_config,
+        tmp_path_factory.mktemp("model"),
+        kv_cache_dtype=preset,
+        skip_layers=[str(i) for i in skipped],
+    )
+    with monkeypatch.context() as patch:
+        specs, backends = build_kv_cache_specs(vllm_config, patch)
+    attn = [i for i, t in enumerate(shape["layer_types"]) if t == "full_attention"]
+    check_kv_cache_specs(
+        vllm_config,
+        specs,
+        backends,
+        kv_cache_utils,
+        preset,
+        tq_layers=[i for i in attn if i not in skipped],
+        native_layers=skipped,
+    )
+
+
+# --------------------------------------------------------------------------
+# The Qwen3.5 stub
+# --------------------------------------------------------------------------
+
+
+def test_qwen3_5_stub_matches_tree(vllm_tree):
+    """Qwen3_5ForConditionalGeneration's Mamba-state methods, which size the
+    hybrid page, are the same code as Qwen3NextForCausalLM's that the tests
+    resolve it to."""
+    models = vllm_tree / "vllm" / "model_executor" / "models"
+
+    def methods(module: str, cls: str) -> dict[str, str]:
+        tree = ast.parse((models / f"{module}.py").read_text())
+        (node,) = [
+            n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == cls
+        ]
+        return {
+            f.name: ast.dump(ast.Module(body=f.body, type_ignores=[]))
+            for f in node.body
+            if isinstance(f, ast.FunctionDef) and f.name.startswith("get_mamba_state")
+        }
+
+    qwen3_5 = methods("qwen3_5", "Qwen3_5ForConditionalGeneration")
+    assert set(qwen3_5) >= {
+        "get_mamba_state_shape_from_config",
+        "get_mamba_state_dtype_from_config",
+    }
+    qwen3_next_methods = methods("qwen3_next", "Qwen3NextForCausalLM")
+    for name, body in qwen3_5.items():
+        assert qwen3_next_methods[name] == body, name

@@ -1,0 +1,983 @@
+"""Tests of `apply.py wheel`, `apply.py export` and the serving-image recipe
+(ci/Dockerfile.serving, ci/image-smoke.py).
+
+Fixture repositories first (fast): a small vLLM-like upstream, a fixture
+wheel made with the `wheel` package, patches exported with apply.py. Then the
+real v0.20.2 release: its official wheel (from the tool's cache, or pip) and
+its base, with a small fixture stack that changes a TurboQuant module and adds
+a file. The patched wheel is built once per session and installed once, by
+the Dockerfile's own RUN command, into a fresh virtual environment.
+"""
+
+from __future__ import annotations
+
+import base64
+import csv
+import hashlib
+import io
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+import zipfile
+from pathlib import Path
+
+import pytest
+from conftest import APPLY, ROOT, Fixture, git
+
+PY = sys.executable
+SOB = ("Signed-off-by: vllm-patch-series "
+       "<vllm-patch-series@users.noreply.github.com>")
+TQ = "vllm/v1/attention/backends/turboquant_attn.py"
+
+MOD = '''\
+def add(a, b):
+    return a - b  # bug: subtraction
+
+
+def scale(x):
+    return x * 2
+'''
+MOD_V11 = '"""Upstream docstring."""\n\n\n' + MOD.replace("x * 2", "x * 3")
+TQ_V1 = "THRESHOLD = 128\n"
+
+# The series' harness (a stand-in for tests/patches/conftest.py, torch-free).
+PROJECT_CONFTEST = '''\
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+TREE = os.environ.get("VLLM_TREE", "")
+if TREE:
+    sys.path.insert(0, TREE)
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "gpu: needs a CUDA GPU")
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(pytest.mark.skip(reason="needs a CUDA GPU"))
+
+
+@pytest.fixture(scope="session")
+def vllm_tree():
+    return Path(TREE).resolve()
+
+
+@pytest.fixture
+def special():
+    return 1
+'''
+
+TEST_TQ = '''\
+"""Regression test of the TurboQuant threshold fix."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+
+def test_threshold_regression(vllm_tree):
+    import vllm.v1.attention.backends.tq as tq
+
+    assert Path(tq.__file__).resolve().parent.is_relative_to(vllm_tree)
+    assert tq.THRESHOLD == 64
+
+
+def test_tree_is_set():
+    assert (Path(os.environ["VLLM_TREE"]) / "vllm").is_dir()
+
+
+@pytest.mark.gpu
+def test_gpu_only():
+    raise AssertionError("runs on a GPU only")
+'''
+
+TEST_ADD = '''\
+def test_add_regression():
+    import vllm.mod as m
+
+    assert m.add(2, 3) == 5
+'''
+
+TEST_SCALE = '''\
+def test_scale_regression():
+    import vllm.mod as m
+
+    assert m.scale(5) == 5
+'''
+
+FIX_ADD = MOD.replace("return a - b  # bug: subtraction", "return a + b")
+# 0003's hunk reaches the line 0002 fixes: it applies only on top of 0002
+FIX_BOTH = FIX_ADD.replace("def scale(x):\n    return x * 2",
+                           "def scale(x: int) -> int:\n    return x * 1")
+NEW_PY = ('# SPDX-License-Identifier: Apache-2.0\n'
+          '# SPDX-FileCopyrightText: Copyright contributors to the vLLM project\n'
+          'HELPER = "new"\n')
+
+
+def run_tool(*args: str, cache: Path, cwd: Path, env: dict | None = None,
+             timeout: float = 900) -> subprocess.CompletedProcess[str]:
+    full = dict(os.environ, VLLM_PATCHES_CACHE=str(cache),
+                VLLM_PATCHES_OFFLINE="1")
+    full.pop("VLLM_REPO", None)
+    full.update(env or {})
+    return subprocess.run([PY, str(APPLY), *args], cwd=cwd, env=full,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def no_identity(tmp: Path) -> dict[str, str]:
+    """An environment where git has no user identity configured."""
+    cfg = tmp / "gitconfig-empty"
+    cfg.write_text("")
+    return {"GIT_CONFIG_GLOBAL": str(cfg), "GIT_CONFIG_NOSYSTEM": "1"}
+
+
+def with_identity(tmp: Path) -> dict[str, str]:
+    cfg = tmp / "gitconfig-user"
+    cfg.write_text("[user]\n\tname = Jane Dev\n\temail = jane@example.com\n")
+    return {"GIT_CONFIG_GLOBAL": str(cfg), "GIT_CONFIG_NOSYSTEM": "1"}
+
+
+def record_b64(data: bytes) -> str:
+    digest = hashlib.sha256(data).digest()
+    return "sha256=" + base64.urlsafe_b64encode(digest).rstrip(b"=").decode()
+
+
+def verify_record(whl: Path) -> dict[str, str]:
+    """Every RECORD entry's hash and size match the archive; {path: hash}."""
+    with zipfile.ZipFile(whl) as zf:
+        info = next(n.split("/")[0] for n in zf.namelist()
+                    if n.endswith(".dist-info/RECORD"))
+        rows = list(csv.reader(io.TextIOWrapper(zf.open(f"{info}/RECORD"),
+                                                encoding="utf-8")))
+        names = {n for n in zf.namelist() if not n.endswith("/")}
+        listed = {r[0] for r in rows}
+        assert listed == names, (names ^ listed)
+        hashes = {}
+        for path, digest, size in rows:
+            if path == f"{info}/RECORD":
+                assert digest == size == ""
+                continue
+            h = hashlib.sha256()
+            n = 0
+            with zf.open(path) as fh:
+                for chunk in iter(lambda: fh.read(1 << 22), b""):
+                    h.update(chunk)
+                    n += len(chunk)
+            got = "sha256=" + base64.urlsafe_b64encode(
+                h.digest()).rstrip(b"=").decode()
+            assert got == digest, path
+            assert n == int(size), path
+            hashes[path] = digest
+    return hashes
+
+
+def make_wheel(tmp: Path, version: str, files: dict[str, bytes],
+               commit: str | None = None) -> Path:
+    """A vLLM-like release wheel, made with `wheel pack` and then renamed to
+    manylinux as vLLM's release wheels are (WHEEL still says linux_x86_64)."""
+    root = tmp / f"wheel-src-{version}" / f"vllm-{version}"
+    for rel, data in files.items():
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_bytes(data)
+    (root / "vllm" / "_version.py").write_text(
+        "# file generated by vcs-versioning\n"
+        f"__version__ = version = '{version}'\n"
+        f"__version_tuple__ = version_tuple = "
+        f"{tuple(int(x) for x in version.split('.'))}\n\n"
+        f"__commit_id__ = commit_id = {('g' + commit) if commit else None!r}\n")
+    info = root / f"vllm-{version}.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text(f"Metadata-Version: 2.4\nName: vllm\n"
+                                   f"Version: {version}\nSummary: fixture\n\n"
+                                   "A long description.\n")
+    (info / "WHEEL").write_text("Wheel-Version: 1.0\nGenerator: fixture\n"
+                                "Root-Is-Purelib: false\n"
+                                "Tag: cp38-abi3-linux_x86_64\n")
+    out = tmp / f"wheel-out-{version}"
+    out.mkdir()
+    p = subprocess.run([PY, "-m", "wheel", "pack", "-d", str(out), str(root)],
+                       capture_output=True, text=True)
+    assert p.returncode == 0, p.stderr
+    built = out / f"vllm-{version}-cp38-abi3-linux_x86_64.whl"
+    final = out / f"vllm-{version}-cp38-abi3-manylinux_2_35_x86_64.whl"
+    built.rename(final)
+    return final
+
+
+def make_upstream(tmp: Path) -> Path:
+    up = tmp / "upstream"
+    up.mkdir()
+    git("init", "-q", "-b", "main", cwd=up)
+    files = {"vllm/__init__.py": "", "vllm/mod.py": MOD,
+             "vllm/legacy.py": "OLD = 1\n",
+             "vllm/v1/__init__.py": "", "vllm/v1/attention/__init__.py": "",
+             "vllm/v1/attention/backends/__init__.py": "",
+             "vllm/v1/attention/backends/tq.py": TQ_V1,
+             "tests/v1/attention/test_existing.py": "def test_x():\n    pass\n",
+             "csrc/kernel.cu": "// kernel\n"}
+    for rel, text in files.items():
+        (up / rel).parent.mkdir(parents=True, exist_ok=True)
+        (up / rel).write_text(text)
+    git("add", "-A", cwd=up)
+    git("commit", "-q", "-m", "v1.0.0", cwd=up)
+    git("tag", "v1.0.0", cwd=up)
+    (up / "vllm" / "mod.py").write_text(MOD_V11)
+    git("commit", "-q", "-am", "v1.1.0", cwd=up)
+    git("tag", "v1.1.0", cwd=up)
+    # the user's own state, which the tool must leave alone
+    git("checkout", "-q", "-b", "mywork", cwd=up)
+    (up / "vllm" / "mod.py").write_text(MOD_V11 + "# my local edit\n")
+    (up / "notes.txt").write_text("untracked\n")
+    (up / "vllm" / "__init__.py").write_text("# staged\n")
+    git("add", "vllm/__init__.py", cwd=up)
+    return up
+
+
+def wheel_files(up: Path, rev: str) -> dict[str, bytes]:
+    names = git("ls-tree", "-r", "--name-only", rev, "vllm", cwd=up).split()
+    files = {n: subprocess.run(["git", "show", f"{rev}:{n}"], cwd=up,
+                               capture_output=True).stdout for n in names}
+    files["vllm/_C.abi3.so"] = os.urandom(4096)
+    return files
+
+
+def commit_patch(fx: Fixture, name: str, edit: dict[str, str | None],
+                 subject: str, tests: list[str], base: str | None = None,
+                 bugs: tuple[str, ...] = (
+                     "https://github.com/vllm-project/vllm/issues/41726",)
+                 ) -> None:
+    """Like Fixture.make_patch, with deletions (None) and Bug: trailers."""
+    work = fx.tmp / "work"
+    if not work.exists():
+        git("clone", "-q", str(fx.upstream), str(work), cwd=fx.tmp)
+    if base:
+        git("checkout", "-q", "-f", "--detach", base, cwd=work)
+    for rel, text in edit.items():
+        if text is None:
+            (work / rel).unlink()
+            continue
+        (work / rel).parent.mkdir(parents=True, exist_ok=True)
+        (work / rel).write_text(text)
+    git("add", "-A", cwd=work)
+    trailers = ("".join(f"Bug: {b}\n" for b in bugs)
+                + "Upstream-Status: Pending\n"
+                + "".join(f"Tests: {t}\n" for t in tests) + SOB + "\n")
+    git("commit", "-q", "-m", f"{subject}\n\nThe bug, its symptom and root "
+        "cause.\n\nThe fix.\n\n" + trailers, cwd=work)
+    out = fx.project / "patches" / name
+    out.parent.mkdir(parents=True, exist_ok=True)
+    p = subprocess.run([PY, str(APPLY), "format-patch", "--repo", str(work),
+                        "HEAD", "--out", str(out)], capture_output=True, text=True)
+    assert p.returncode == 0, p.stderr
+    fx.patches[name] = out
+
+
+REG_TQ = "tests/patches/test_tq.py::test_threshold_regression"
+REG_ADD = "tests/patches/test_add.py::test_add_regression"
+REG_SCALE = "tests/patches/test_scale.py::test_scale_regression"
+
+
+@pytest.fixture
+def dx(tmp_path: Path) -> Fixture:
+    """Upstream v1.0.0/v1.1.0 and a project with a three-patch stack 'fx':
+    0001 fixes the TurboQuant-like threshold, adds a module, deletes
+    vllm/legacy.py and adds an upstream test; 0002 fixes add; 0003 fixes
+    scale (its context needs 0002)."""
+    up = make_upstream(tmp_path)
+    proj = tmp_path / "project"
+    (proj / "tests" / "patches" / "fake_helper").mkdir(parents=True)
+    (proj / "tests" / "patches" / "conftest.py").write_text(PROJECT_CONFTEST)
+    (proj / "tests" / "patches" / "test_tq.py").write_text(TEST_TQ)
+    (proj / "tests" / "patches" / "test_add.py").write_text(
+        TEST_ADD.replace("import vllm.mod as m",
+                         "import vllm.mod as m\n    import fake_helper"))
+    (proj / "tests" / "patches" / "fake_helper" / "__init__.py").write_text(
+        "X = 1\n")
+    (proj / "tests" / "patches" / "unrelated.py").write_text("Y = 2\n")
+    (proj / "tests" / "patches" / "test_scale.py").write_text(TEST_SCALE)
+    fx = Fixture(tmp_path, up, proj, tmp_path / "cache")
+    commit_patch(fx, "fx/0001-tq-threshold.patch",
+                 {"vllm/v1/attention/backends/tq.py": "THRESHOLD = 64\n",
+                  "vllm/v1/attention/backends/tq_helper.py": NEW_PY,
+                  "vllm/legacy.py": None,
+                  "tests/v1/attention/test_tq_upstream.py": "def test_y():\n"
+                  "    pass\n"},
+                 "[Attention][TurboQuant] Lower the threshold",
+                 [REG_TQ, "tests/patches/test_tq.py"], base="v1.0.0",
+                 bugs=("https://github.com/vllm-project/vllm/issues/41726",
+                       "https://github.com/vllm-project/vllm/pull/40941"))
+    commit_patch(fx, "fx/0002-fix-add.patch", {"vllm/mod.py": FIX_ADD},
+                 "[Core] Fix add", [REG_ADD])
+    commit_patch(fx, "fx/0003-fix-scale.patch", {"vllm/mod.py": FIX_BOTH},
+                 "[Core] Fix scale", [REG_SCALE])
+    fx.write_series("#@ stack fx repo=https://example.invalid/vllm tag=v1.0.0\n"
+                    "fx/0001-tq-threshold.patch\n"
+                    "fx/0002-fix-add.patch\n"
+                    "fx/0003-fix-scale.patch\n")
+    return fx
+
+
+def digest(series: Path, stack_patches: list[str]) -> str:
+    h = hashlib.sha256()
+    for p in stack_patches:
+        h.update(p.encode() + b"\0" + (series.parent / "patches" / p).read_bytes())
+    return h.hexdigest()
+
+
+# --------------------------------------------------------------------------
+# wheel, on fixtures
+
+
+def test_wheel_fixture_round_trip(dx: Fixture) -> None:
+    before = dx.snapshot()
+    src = make_wheel(dx.tmp, "1.0.0", wheel_files(dx.upstream, "v1.0.0"),
+                     commit=git("rev-parse", "v1.0.0", cwd=dx.upstream)[:9])
+    out = dx.tmp / "out"
+    p = dx.run("wheel", "--repo", str(dx.upstream), "--from-wheel", str(src),
+               "--out", str(out), "--json", str(dx.tmp / "w.json"))
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert dx.snapshot() == before
+    patches = ["fx/0001-tq-threshold.patch", "fx/0002-fix-add.patch",
+               "fx/0003-fix-scale.patch"]
+    local = "fx." + digest(dx.series, patches)[:8]
+    version = f"1.0.0+{local}"
+    whl = out / f"vllm-{version}-cp38-abi3-manylinux_2_35_x86_64.whl"
+    assert p.stdout.splitlines()[0] == str(whl)
+    assert re.search(r"built in [\d.]+ s \(wheel unpack [\d.]+ s, wheel pack "
+                     r"[\d.]+ s\); size \d+ -> \d+ bytes \([+-]\d+ B", p.stdout)
+    assert "not in the wheel (not shipped): tests/v1/attention/" \
+        "test_tq_upstream.py" in p.stdout
+    rep = json.loads((dx.tmp / "w.json").read_text())
+    assert rep["wheel"] == str(whl) and rep["version"] == version
+    assert rep["size_delta"] == whl.stat().st_size - src.stat().st_size
+    assert rep["files"] == {"vllm/legacy.py": "D", "vllm/mod.py": "M",
+                            "vllm/v1/attention/backends/tq.py": "M",
+                            "vllm/v1/attention/backends/tq_helper.py": "A"}
+    hashes = verify_record(whl)
+    info = f"vllm-{version}.dist-info"
+    with zipfile.ZipFile(src) as a, zipfile.ZipFile(whl) as b:
+        names_a = {n for n in a.namelist()}
+        names_b = {n for n in b.namelist()}
+        assert names_b - names_a == {
+            "vllm/v1/attention/backends/tq_helper.py", f"{info}/METADATA",
+            f"{info}/WHEEL", f"{info}/RECORD", f"{info}/vllm_patches.json"}
+        assert {n for n in names_a - names_b if "dist-info" not in n} == {
+            "vllm/legacy.py"}
+        # changed files are the patched tree's, every other file the wheel's
+        assert b.read("vllm/mod.py").decode() == FIX_BOTH
+        assert b.read("vllm/v1/attention/backends/tq.py") == b"THRESHOLD = 64\n"
+        assert b.read("vllm/v1/attention/backends/tq_helper.py").decode() == NEW_PY
+        for n in names_a & names_b:
+            if n not in ("vllm/mod.py", "vllm/v1/attention/backends/tq.py",
+                         "vllm/_version.py") and "dist-info" not in n:
+                assert a.read(n) == b.read(n), n
+                assert hashes[n] == record_b64(a.read(n))
+        ver = b.read("vllm/_version.py").decode()
+        assert f"__version__ = version = '{version}'" in ver
+        assert f"__version_tuple__ = version_tuple = (1, 0, 0, '{local}')" in ver
+        meta = b.read(f"{info}/METADATA").decode()
+        assert f"\nVersion: {version}\n" in meta and "A long description." in meta
+        assert "Tag: cp38-abi3-manylinux_2_35_x86_64" in b.read(
+            f"{info}/WHEEL").decode()
+        man = json.loads(b.read(f"{info}/vllm_patches.json"))
+        assert man["files"] == rep["files"] and man["stack"] == "fx"
+        assert [x["file"] for x in man["patches"]] == patches
+    # deterministic: the same series on the same wheel gives the same bytes
+    data = whl.read_bytes()
+    p = dx.run("wheel", "--repo", str(dx.upstream), "--from-wheel", str(src),
+               "--out", str(out))
+    assert p.returncode == 0, p.stderr
+    assert whl.read_bytes() == data
+
+
+def test_wheel_refusals(dx: Fixture) -> None:
+    src = make_wheel(dx.tmp, "1.0.0", wheel_files(dx.upstream, "v1.0.0"))
+    other = make_wheel(dx.tmp, "1.1.0", wheel_files(dx.upstream, "v1.1.0"))
+    base = ("wheel", "--repo", str(dx.upstream), "--out", str(dx.tmp / "o"))
+    # a wheel of another release
+    p = dx.run(*base, "--from-wheel", str(other))
+    assert p.returncode == 2
+    assert len(p.stderr.strip().splitlines()) == 1
+    assert "is vLLM 1.1.0, but the base v1.0.0 is release 1.0.0" in p.stderr
+    # a wheel that is not the official one (already patched)
+    patched = src.with_name(src.name.replace("1.0.0", "1.0.0+x.1"))
+    patched.write_bytes(src.read_bytes())
+    p = dx.run(*base, "--from-wheel", str(patched))
+    assert p.returncode == 2 and "is vLLM 1.0.0+x.1" in p.stderr
+    # a base that is not a release
+    p = dx.run(*base, "--from-wheel", str(src), "--base", "mywork")
+    assert p.returncode == 2 and "not a vLLM release" in p.stderr
+    # the 'wheel' package missing from the Python that runs it
+    venv = dx.tmp / "bare"
+    subprocess.run([PY, "-m", "venv", "--without-pip", str(venv)], check=True)
+    p = dx.run(*base, "--from-wheel", str(src), "--python",
+               str(venv / "bin" / "python"))
+    assert p.returncode == 2 and len(p.stderr.strip().splitlines()) == 1
+    assert "the 'wheel' package is missing" in p.stderr
+    assert "pip install -U 'wheel>=0.48'" in p.stderr
+    # a series that changes compiled sources
+    commit_patch(dx, "fx/0004-kernel.patch", {"csrc/kernel.cu": "// fixed\n"},
+                 "[Kernel] Fix", [REG_ADD])
+    with dx.series.open("a") as fh:
+        fh.write("fx/0004-kernel.patch\n")
+    p = dx.run(*base, "--from-wheel", str(src))
+    assert p.returncode == 2 and len(p.stderr.strip().splitlines()) == 1
+    assert "patches/fx/0004-kernel.patch changes csrc/kernel.cu" in p.stderr
+    assert not (dx.tmp / "o").exists() or not list((dx.tmp / "o").iterdir())
+
+
+def test_wheel_conflict_writes_nothing(dx: Fixture) -> None:
+    # 0003 (x * 2 -> x * 1) cannot apply on v1.1.0 (x * 3)
+    src = make_wheel(dx.tmp, "1.1.0", wheel_files(dx.upstream, "v1.1.0"))
+    p = dx.run("wheel", "--repo", str(dx.upstream), "--base", "v1.1.0",
+               "--from-wheel", str(src), "--out", str(dx.tmp / "o"))
+    assert p.returncode == 1, p.stdout + p.stderr
+    assert "fx/0003-fix-scale.patch: does not apply on v1.1.0" in p.stdout
+    assert "no wheel written" in p.stderr
+    assert not list((dx.tmp / "o").glob("*.whl")) if (dx.tmp / "o").exists() \
+        else True
+
+
+# --------------------------------------------------------------------------
+# export, on fixtures
+
+
+def am_round_trip(repo: Path, ref: str, parent: str, tmp: Path,
+                  patch_file: Path | None = None) -> None:
+    """git am of git format-patch -1 of the branch (or of the patch file the
+    export wrote, with am -k) gives the same commit."""
+    if patch_file is None:
+        mbox = subprocess.run(["git", "format-patch", "-1", "--stdout", ref],
+                              cwd=repo, capture_output=True, check=True).stdout
+        keep = "--keep-non-patch"  # drop only [PATCH], keep [Component]
+    else:
+        mbox, keep = patch_file.read_bytes(), "--keep"
+    clone = tmp / f"am-{ref.rsplit('/', 1)[-1]}-{keep}"
+    git("clone", "-q", "--no-checkout", str(repo), str(clone), cwd=tmp)
+    git("checkout", "-q", "--detach", parent, cwd=clone)
+    p = subprocess.run(["git", "-c", "user.name=T", "-c", "user.email=t@x",
+                        "am", "-q", keep], cwd=clone, input=mbox,
+                       capture_output=True)
+    assert p.returncode == 0, p.stderr
+    fmt = "%T%n%an <%ae> %ad%n%B"
+    assert git("log", "-1", f"--format={fmt}", "HEAD", cwd=clone) == \
+        git("log", "-1", f"--format={fmt}", ref, cwd=repo)
+
+
+def test_export_pr_branch(dx: Fixture) -> None:
+    before = dx.snapshot()
+    env = no_identity(dx.tmp)
+    p = dx.run("export", "0001", "--repo", str(dx.upstream), "--json",
+               str(dx.tmp / "e.json"), env=env)
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert dx.snapshot() == before
+    ref = "refs/heads/patched/pr/0001-tq-threshold"
+    up = dx.upstream
+    base = git("rev-parse", "v1.0.0", cwd=up)
+    # exactly one commit, on the stack's base
+    assert git("rev-list", "--count", f"{base}..{ref}", cwd=up) == "1"
+    assert git("rev-parse", f"{ref}^", cwd=up) == base
+    files = git("diff", "--name-status", base, ref, cwd=up).splitlines()
+    assert sorted(files) == sorted([
+        "D\tvllm/legacy.py", "M\tvllm/v1/attention/backends/tq.py",
+        "A\tvllm/v1/attention/backends/tq_helper.py",
+        "A\ttests/v1/attention/test_tq_upstream.py",
+        "A\ttests/v1/attention/test_tq.py"])
+    msg = git("log", "-1", "--format=%B", ref, cwd=up)
+    assert msg.startswith("[Attention][TurboQuant] Lower the threshold\n\n"
+                          "## Purpose\n\nThe bug, its symptom and root cause."
+                          "\n\nThe fix.\n\nFIX #41726\nRelated: "
+                          "https://github.com/vllm-project/vllm/pull/40941\n\n"
+                          "## Test Plan\n")
+    assert "pytest -v tests/v1/attention/test_tq.py::test_threshold_regression" \
+        in msg
+    assert "## Test Result\n\nNot run by `apply.py export`" in msg
+    assert "Upstream-Status" not in msg and "Tests:" not in msg
+    assert "Bug:" not in msg
+    assert msg.rstrip().endswith(SOB)
+    assert msg.count("Signed-off-by:") == 1
+    assert git("log", "-1", "--format=%an <%ae>|%cn", ref, cwd=up) == \
+        "Up Stream <up@example.com>|vllm-patch-series"
+    # the adapted test: harness fixtures defined in the module, gpu mark kept
+    test = git("show", f"{ref}:tests/v1/attention/test_tq.py", cwd=up)
+    assert test.startswith("# SPDX-License-Identifier: Apache-2.0\n")
+    assert "def vllm_tree() -> Path:" in test and "_needs_gpu" in test
+    assert "pytest.mark.gpu" not in test
+    assert 'os.environ.setdefault(\n    "VLLM_TREE"' in test
+    compile(test, "test_tq.py", "exec")
+    # printed: where things are and the commands to run
+    assert p.stdout.startswith(f"{ref} in {up}\n")
+    assert f"git -C {up} push YOUR_FORK_REMOTE {ref}:refs/heads/pr/" \
+           "0001-tq-threshold" in p.stdout
+    assert "gh pr create --repo vllm-project/vllm --base main --head " \
+           "YOUR_GITHUB_USER:pr/0001-tq-threshold --title '[Attention]" \
+           "[TurboQuant] Lower the threshold' --body-file " in p.stdout
+    assert "(no git identity configured: the project's)" in p.stdout
+    rep = json.loads((dx.tmp / "e.json").read_text())
+    body = Path(rep["body_file"]).read_text()
+    assert body.startswith("## Purpose\n") and "Signed-off-by" not in body
+    am_round_trip(up, ref, base, dx.tmp)
+    am_round_trip(up, ref, base, dx.tmp, Path(rep["patch_file"]))
+    # the adapted test runs in vLLM's tree layout: fails before the change,
+    # passes with it (the GPU-only test skips). A stub stands in for torch
+    # (importing the real one twice costs more than the rest of this test).
+    stub = dx.tmp / "stub" / "torch"
+    stub.mkdir(parents=True)
+    (stub / "__init__.py").write_text(
+        "from types import SimpleNamespace\n"
+        "cuda = SimpleNamespace(is_available=lambda: False)\n"
+        "accelerator = SimpleNamespace(current_accelerator=lambda: None,\n"
+        "                              empty_cache=lambda: None)\n")
+    for rev, want in ((ref, "2 passed, 1 skipped"),
+                      (base, "1 failed, 1 passed, 1 skipped")):
+        tree = dx.tmp / f"tree-{rev[:6].replace('/', '-')}"
+        git("worktree", "add", "-q", "--detach", str(tree), rev, cwd=up)
+        tf = tree / "tests" / "v1" / "attention" / "test_tq.py"
+        tf.write_text(test)
+        r = subprocess.run([PY, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                            str(tf)], cwd=tree, capture_output=True, text=True,
+                           env=dict(os.environ, PYTHONPATH=f"{tree}:"
+                                    f"{stub.parent}"))
+        assert want in r.stdout, r.stdout + r.stderr
+        git("worktree", "remove", "--force", str(tree), cwd=up)
+
+
+def test_export_dependent_patch_and_identity(dx: Fixture) -> None:
+    env = with_identity(dx.tmp)
+    p = dx.run("export", "fx/0003-fix-scale.patch", "--repo", str(dx.upstream),
+               env=env)
+    assert p.returncode == 0, p.stdout + p.stderr
+    up = dx.upstream
+    ref = "refs/heads/patched/pr/0003-fix-scale"
+    assert "does not apply on v1.0.0 alone; the branch is based on the " \
+           "patches before it: fx/0001-tq-threshold.patch, " \
+           "fx/0002-fix-add.patch" in p.stdout
+    parent = git("rev-parse", f"{ref}^", cwd=up)
+    assert git("log", "--format=%s", f"v1.0.0..{parent}", cwd=up).splitlines() \
+        == ["[Core] Fix add", "[Attention][TurboQuant] Lower the threshold"]
+    # vllm/mod.py is tested in tests/ (vLLM mirrors its package there)
+    assert git("diff", "--name-only", parent, ref, cwd=up).split() == [
+        "tests/test_scale.py", "vllm/mod.py"]
+    msg = git("log", "-1", "--format=%B", ref, cwd=up)
+    assert "FIX #41726\n\nThis change applies on top of (to be merged first):\n" \
+           "- [Attention][TurboQuant] Lower the threshold\n- [Core] Fix add\n" \
+           in msg
+    assert msg.rstrip().endswith(SOB + "\nSigned-off-by: Jane Dev "
+                                 "<jane@example.com>")
+    assert git("log", "-1", "--format=%cn <%ce>", ref, cwd=up) == \
+        "Jane Dev <jane@example.com>"
+    am_round_trip(up, ref, parent, dx.tmp)
+    # a helper module the test imports travels with it
+    p = dx.run("export", "0002", "--repo", str(up), env=env)
+    assert p.returncode == 0, p.stderr
+    tree = git("ls-tree", "-r", "--name-only", "refs/heads/patched/pr/"
+               "0002-fix-add", "tests", cwd=up).split()
+    assert "tests/fake_helper/__init__.py" in tree
+    assert not any("unrelated" in t for t in tree)
+    assert "helper fake_helper copied alongside" in p.stdout
+
+
+def test_export_branch_safety_and_errors(dx: Fixture) -> None:
+    up = dx.upstream
+    before = dx.snapshot()
+    p = dx.run("export", "0001", "--repo", str(up), "--branch", "mywork")
+    assert p.returncode == 2 and "checked out" in p.stderr
+    git("branch", "other", "v1.0.0", cwd=up)
+    p = dx.run("export", "0001", "--repo", str(up), "--branch", "other")
+    assert p.returncode == 2 and "--force" in p.stderr
+    assert len(p.stderr.strip().splitlines()) == 1
+    assert git("rev-parse", "other", cwd=up) == git("rev-parse", "v1.0.0", cwd=up)
+    p = dx.run("export", "fx/0001", "--repo", str(up), "--branch", "pr/tq")
+    assert p.returncode == 0, p.stderr
+    assert "push YOUR_FORK_REMOTE refs/heads/pr/tq:refs/heads/pr/tq" in p.stdout
+    p = dx.run("export", "0001", "--repo", str(up), "--branch", "bad..name")
+    assert p.returncode == 2 and "not a valid branch name" in p.stderr
+    p = dx.run("export", "0009", "--repo", str(up))
+    assert p.returncode == 2 and "'0009': no patch of the series" in p.stderr
+    p = dx.run("export", "0001", "--repo", str(up), "--base", "nope")
+    assert p.returncode == 2 and "unknown revision 'nope'" in p.stderr
+    # re-exporting replaces the tool's own branch, nothing else moves
+    p = dx.run("export", "0001", "--repo", str(up))
+    assert p.returncode == 0
+    p = dx.run("export", "0001", "--repo", str(up))
+    assert p.returncode == 0
+    after = dx.snapshot()
+    after["refs"] = "\n".join(r for r in after["refs"].splitlines()
+                              if not r.startswith(("refs/heads/pr/tq ",
+                                                   "refs/heads/other ")))
+    assert after == before
+
+
+def test_export_on_the_patch_pin(dx: Fixture) -> None:
+    """A patch pinned to a base of its own ('#@ pin') is exported on it."""
+    up = dx.upstream
+    v11 = git("rev-parse", "v1.1.0", cwd=up)
+    text = dx.series.read_text().splitlines(keepends=True)
+    text.insert(1, f"#@ pin fx/0002-fix-add.patch repo=https://example.invalid/"
+                f"vllm commit={v11}\n")
+    dx.series.write_text("".join(text))
+    p = dx.run("export", "0002", "--repo", str(up))
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert git("rev-parse", "refs/heads/patched/pr/0002-fix-add^", cwd=up) == v11
+    # not at hand: the stack's base, and a note
+    text[1] = "#@ pin fx/0002-fix-add.patch repo=https://example.invalid/vllm " \
+              f"commit={'1' * 40}\n"
+    dx.series.write_text("".join(text))
+    p = dx.run("export", "0002", "--repo", str(up))
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert "own pin 111111111111 is not at hand" in p.stderr
+    assert git("rev-parse", "refs/heads/patched/pr/0002-fix-add^", cwd=up) == \
+        git("rev-parse", "v1.0.0", cwd=up)
+
+
+def test_export_run_tests(dx: Fixture) -> None:
+    p = dx.run("export", "0001", "--repo", str(dx.upstream), "--run-tests")
+    assert p.returncode == 0, p.stdout + p.stderr
+    msg = git("log", "-1", "--format=%B", "refs/heads/patched/pr/0001-"
+              "tq-threshold", cwd=dx.upstream)
+    assert "| `tests/patches/test_tq.py::test_threshold_regression` | fail | " \
+           "pass |" in msg
+
+
+# --------------------------------------------------------------------------
+# the real v0.20.2 release
+
+PIN = "bc150f50299199599673614f80d12a196f377655"
+TQ_MARK = "_VLLM_PATCHES_FIXTURE = 'h8'\n"
+REAL_TEST = '''\
+"""Fixture regression test: the TurboQuant module carries the marker."""
+
+import importlib
+
+
+def test_marker_regression(vllm_tree):
+    mod = importlib.import_module("vllm.v1.attention.backends.turboquant_attn")
+    assert mod._VLLM_PATCHES_FIXTURE == "h8"
+'''
+REAL_NEW = "vllm/v1/attention/backends/turboquant_h8_helper.py"
+
+
+@pytest.fixture(scope="session")
+def real(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """The real v0.20.2 base and wheel, in a cache of this test session's
+    (a shared clone of the tool's cache repo, the wheel linked), and a
+    project with a one-patch stack on it."""
+    tmp = tmp_path_factory.mktemp("real")
+    env = dict(os.environ, VLLM_PATCHES_OFFLINE="1")
+    env.pop("VLLM_REPO", None)
+    env.pop("VLLM_PATCHES_CACHE", None)
+    proj = tmp / "proj"
+    (proj / "tests" / "patches").mkdir(parents=True)
+    (proj / "series").write_text(
+        "#@ stack tq repo=https://github.com/vllm-project/vllm tag=v0.20.2 "
+        f"commit={PIN}\n")
+    p = subprocess.run([PY, str(APPLY), "base", "--series", str(proj / "series")],
+                       env=env, capture_output=True, text=True, timeout=1800)
+    assert p.returncode == 0, p.stderr
+    rev, commit, repo = p.stdout.split()[:3]
+    repo = Path(repo.split("=", 1)[1])
+    cache = tmp / "cache"
+    (cache / "dist").mkdir(parents=True)
+    git("clone", "-q", "--bare", "--shared", str(repo), str(cache / "vllm.git"),
+        cwd=tmp)
+    for w in (repo.parent / "dist").glob("vllm-0.20.2-*.whl"):
+        (cache / "dist" / w.name).symlink_to(w)
+    # the fixture patch, made on a clone of that base
+    work = tmp / "work"
+    git("clone", "-q", "--no-checkout", str(repo), str(work), cwd=tmp)
+    git("checkout", "-q", "--detach", commit, cwd=work)
+    f = work / TQ
+    text = f.read_text()
+    anchor = "_CONTINUATION_DECODE_THRESHOLD = 128\n"
+    assert anchor in text
+    f.write_text(text.replace(anchor, anchor + TQ_MARK))
+    (work / REAL_NEW).write_text(NEW_PY)
+    git("add", "-A", cwd=work)
+    git("commit", "-q", "-m",
+        "[Attention][TurboQuant] Mark the module\n\nWhy.\n\n"
+        "Bug: https://github.com/vllm-project/vllm/issues/41726\n"
+        "Upstream-Status: Inappropriate [fixture]\n"
+        "Tests: tests/patches/test_tq_marker.py::test_marker_regression\n"
+        + SOB, cwd=work)
+    (proj / "patches" / "tq").mkdir(parents=True)
+    p = subprocess.run([PY, str(APPLY), "format-patch", "--repo", str(work),
+                        "HEAD", "--out",
+                        str(proj / "patches" / "tq" / "0001-mark.patch")],
+                       capture_output=True, text=True)
+    assert p.returncode == 0, p.stderr
+    with (proj / "series").open("a") as fh:
+        fh.write("tq/0001-mark.patch\n")
+    (proj / "tests" / "patches" / "test_tq_marker.py").write_text(REAL_TEST)
+    return {"tmp": tmp, "proj": proj, "cache": cache, "commit": commit,
+            "work": work, "official": sorted((cache / "dist").glob("*.whl"))}
+
+
+@pytest.fixture(scope="session")
+def real_wheel(real: dict) -> dict:
+    out = real["tmp"] / "out"
+    t0 = time.monotonic()
+    p = run_tool("wheel", "--series", str(real["proj"] / "series"), "--out",
+                 str(out), "--json", str(real["tmp"] / "wheel.json"),
+                 cache=real["cache"], cwd=real["tmp"])
+    seconds = time.monotonic() - t0
+    assert p.returncode == 0, p.stdout + p.stderr
+    rep = json.loads((real["tmp"] / "wheel.json").read_text())
+    print(f"\nreal wheel: {p.stdout.strip()}\n(apply.py wheel took {seconds:.1f}"
+          " s end to end)")
+    return {**rep, "stdout": p.stdout, "path": Path(rep["wheel"])}
+
+
+def test_real_wheel(real: dict, real_wheel: dict) -> None:
+    official = Path(real_wheel["from_wheel"])
+    assert official.name == "vllm-0.20.2-cp38-abi3-manylinux_2_35_x86_64.whl"
+    local = "tq." + digest(real["proj"] / "series", ["tq/0001-mark.patch"])[:8]
+    version = f"0.20.2+{local}"
+    whl = real_wheel["path"]
+    assert whl.name == f"vllm-{version}-cp38-abi3-manylinux_2_35_x86_64.whl"
+    assert real_wheel["files"] == {TQ: "M", REAL_NEW: "A"}
+    assert real_wheel["notes"] == []
+    hashes = verify_record(whl)  # every entry of the output's RECORD
+    with zipfile.ZipFile(official) as zf:
+        info = "vllm-0.20.2.dist-info"
+        rows = csv.reader(io.TextIOWrapper(zf.open(f"{info}/RECORD"),
+                                           encoding="utf-8"))
+        want = {r[0]: r[1] for r in rows if not r[0].startswith(info)}
+    same = {p for p in want if p not in (TQ, "vllm/_version.py")}
+    assert len(same) > 3000
+    for path in same:
+        assert hashes[path] == want[path], path
+    patched = subprocess.run(["git", "show", f"HEAD:{TQ}"], cwd=real["work"],
+                             capture_output=True, check=True).stdout
+    assert hashes[TQ] == record_b64(patched)
+    assert hashes[REAL_NEW] == record_b64(NEW_PY.encode())
+    assert {p for p in hashes if not p.startswith(f"vllm-{version}.dist-info/")} \
+        == set(want) | {REAL_NEW}
+
+
+# --------------------------------------------------------------------------
+# the serving image: build context and RUN commands, in a plain venv
+
+
+def dockerfile() -> tuple[dict[str, str], str, list[list[str]], list[str]]:
+    """ARG defaults, FROM, COPY argument lists and RUN commands."""
+    text = (ROOT / "ci" / "Dockerfile.serving").read_text()
+    text = re.sub(r"\\\n", " ", "\n".join(
+        ln for ln in text.splitlines() if not ln.lstrip().startswith("#")))
+    args, frm, copies, runs = {}, "", [], []
+    for ln in text.splitlines():
+        word, _, rest = ln.strip().partition(" ")
+        if word == "ARG":
+            k, _, v = rest.partition("=")
+            args[k] = v
+        elif word == "FROM":
+            frm = rest
+        elif word == "COPY":
+            copies.append(rest.split())
+        elif word == "RUN":
+            runs.append(rest.strip())
+        elif word:
+            raise AssertionError(f"unexpected instruction {word}")
+    return args, frm, copies, runs
+
+
+def expand(s: str, args: dict[str, str]) -> str:
+    return re.sub(r"\$\{(\w+)\}", lambda m: args[m.group(1)], s)
+
+
+def docker_ignored(rel: str, patterns: list[str]) -> bool:
+    """Docker's .dockerignore matching (patterns match a path or a parent)."""
+    def rx(p: str) -> re.Pattern:
+        out = ""
+        for part in re.split(r"(\*\*|\*|\?)", p.strip("/")):
+            out += {"**": ".*", "*": "[^/]*", "?": "[^/]"}.get(part,
+                                                             re.escape(part))
+        return re.compile(out + "(/.*)?$")
+    ignored = False
+    for p in patterns:
+        neg = p.startswith("!")
+        if rx(p[1:] if neg else p).match(rel):
+            ignored = not neg
+    return ignored
+
+
+def test_dockerfile_context(tmp_path: Path) -> None:
+    args, frm, copies, runs = dockerfile()
+    assert expand(frm, args) == "vllm/vllm-openai:v0.20.2"
+    series = (ROOT / "series").read_text()
+    assert "tag=v" + args["VLLM_RELEASE"] in series
+    patterns = [ln.strip() for ln in (ROOT / "ci" / "Dockerfile.serving."
+                                      "dockerignore").read_text().splitlines()
+                if ln.strip() and not ln.startswith("#")]
+    files = ["apply.py", "series", "patches/tq/0001-x.patch", ".venv/bin/python",
+             "ci/test.sh", "ci/image-smoke.py", "ci/Dockerfile.serving",
+             "dist/vllm-0.20.2+tq.1a2b3c4d-cp38-abi3-manylinux_2_35_x86_64.whl",
+             "dist/notes.txt", "tests/tool/conftest.py", "build/x"]
+    sent = [f for f in files if not docker_ignored(f, patterns)]
+    assert sent == ["ci/image-smoke.py", "dist/vllm-0.20.2+tq.1a2b3c4d-cp38-"
+                    "abi3-manylinux_2_35_x86_64.whl"]
+    assert copies == [["${WHEEL}", "ci/image-smoke.py", "${STAGE}/"]]
+    assert (ROOT / "ci" / "image-smoke.py").is_file()
+    assert len(runs) == 1 and "pip install --no-deps" in runs[0]
+
+
+def test_image_recipe_in_venv(real: dict, real_wheel: dict,
+                              tmp_path: Path) -> None:
+    """The Dockerfile's COPY and RUN, executed as written in a fresh virtual
+    environment standing in for the image: its own site-packages empty, the
+    test environment's packages (torch, pip, ...) visible behind it through
+    a .pth file, as the image's are. No GPU: CUDA_VISIBLE_DEVICES=""."""
+    args, _, copies, runs = dockerfile()
+    whl = real_wheel["path"]
+    ctx = tmp_path / "ctx"  # the build context: the project root's layout
+    (ctx / "dist").mkdir(parents=True)
+    (ctx / "ci").mkdir()
+    (ctx / "dist" / whl.name).symlink_to(whl)
+    (ctx / "ci" / "image-smoke.py").write_bytes(
+        (ROOT / "ci" / "image-smoke.py").read_bytes())
+    build_args = {**args, "WHEEL": f"dist/{whl.name}",
+                  "STAGE": str(tmp_path / "stage")}
+    for copy in copies:  # COPY src... dest/
+        *srcs, dest = [expand(x, build_args) for x in copy]
+        Path(dest).mkdir(parents=True, exist_ok=True)
+        for s in srcs:
+            matched = list(ctx.glob(s))
+            assert len(matched) == 1, s
+            shutil.copyfile(matched[0], Path(dest) / matched[0].name)
+    venv = tmp_path / "venv"
+    subprocess.run([PY, "-m", "venv", "--without-pip", str(venv)], check=True)
+    site = next((venv / "lib").glob("python3*/site-packages"))
+    image_site = next(Path(p) for p in sys.path if p.endswith("site-packages")
+                      and (Path(p) / "torch").is_dir())
+    (site / "image-packages.pth").write_text(str(image_site) + "\n")
+    env = dict(os.environ, PATH=f"{venv / 'bin'}:{os.environ['PATH']}",
+               CUDA_VISIBLE_DEVICES="", TRITON_INTERPRET="1",
+               **{k: v for k, v in build_args.items()})
+    env.pop("VIRTUAL_ENV", None)
+    env.pop("PYTHONPATH", None)
+    t0 = time.monotonic()
+    for cmd in runs:
+        r = subprocess.run(["sh", "-ec", cmd], env=env, capture_output=True,
+                           text=True, timeout=900)
+        assert r.returncode == 0, r.stdout + r.stderr
+    print(f"\nDockerfile RUN in a venv: {time.monotonic() - t0:.1f} s")
+    version = real_wheel["version"]
+    assert (f"image-smoke: vllm {version} (stack tq, 1 patch(es)): 2 file(s) "
+            "checked, 2 patched modules imported: ok") in r.stdout
+    assert not (tmp_path / "stage").exists()  # the RUN cleans up
+    show = subprocess.run(["python3", "-m", "pip", "show", "vllm"], env=env,
+                          capture_output=True, text=True)
+    assert f"\nVersion: {version}\n" in "\n" + show.stdout
+    assert f"Location: {site}" in show.stdout
+    # installed files: the patched tree's where the series changes them, the
+    # official wheel's everywhere else
+    with zipfile.ZipFile(Path(real_wheel["from_wheel"])) as zf:
+        rows = csv.reader(io.TextIOWrapper(
+            zf.open("vllm-0.20.2.dist-info/RECORD"), encoding="utf-8"))
+        want = {r[0]: r[1] for r in rows if r[0].startswith("vllm/")}
+    for path, digest_ in want.items():
+        got = record_b64((site / path).read_bytes())
+        if path == TQ:
+            patched = subprocess.run(["git", "show", f"HEAD:{path}"],
+                                     cwd=real["work"], capture_output=True,
+                                     check=True).stdout
+            assert got == record_b64(patched)
+        elif path == "vllm/_version.py":
+            assert f"__version__ = version = '{version}'" in \
+                (site / path).read_text()
+        else:
+            assert got == digest_, path
+    assert (site / REAL_NEW).read_text() == NEW_PY
+    # a broken install fails the smoke check (and so the image build)
+    (site / TQ).write_text((site / TQ).read_text() + "# tampered\n")
+    r = subprocess.run(["python3", str(ROOT / "ci" / "image-smoke.py"),
+                        str(whl)], env=env, capture_output=True, text=True,
+                       timeout=600)
+    assert r.returncode == 1
+    assert f"FAILED: {TQ}: installed content differs" in r.stdout
+
+
+# --------------------------------------------------------------------------
+# export on the real base
+
+
+def test_real_export(real: dict, tmp_path: Path) -> None:
+    tmp = real["tmp"]
+    # a user's vLLM repository with v0.20.2 (a clone of the cache's)
+    user = tmp_path / "vllm"
+    git("clone", "-q", "--no-checkout", "--shared", str(real["cache"] /
+                                                         "vllm.git"), str(user),
+        cwd=tmp_path)
+    git("checkout", "-q", "-b", "main", "v0.20.2", cwd=user)
+    head = git("rev-parse", "HEAD", cwd=user)
+    series = str(real["proj"] / "series")
+    p = run_tool("export", "tq/0001-mark.patch", "--series", series, "--repo",
+                 str(user), cache=tmp_path / "cache", cwd=tmp_path,
+                 env=no_identity(tmp_path))
+    assert p.returncode == 0, p.stdout + p.stderr
+    ref = "refs/heads/patched/pr/0001-mark"
+    assert git("rev-parse", f"{ref}^", cwd=user) == real["commit"]
+    assert git("rev-list", "--count", f"v0.20.2..{ref}", cwd=user) == "1"
+    assert sorted(git("diff", "--name-only", "v0.20.2", ref, cwd=user).split()) \
+        == sorted([TQ, REAL_NEW, "tests/v1/attention/test_tq_marker.py"])
+    test = git("show", f"{ref}:tests/v1/attention/test_tq_marker.py", cwd=user)
+    assert "def vllm_tree() -> Path:" in test
+    assert git("rev-parse", "HEAD", cwd=user) == head
+    assert git("status", "--porcelain", cwd=user) == ""
+    am_round_trip(user, ref, real["commit"], tmp_path)
+    # with no repository: the tool's cache, and a note on what that base is
+    p = run_tool("export", "0001", "--series", series, cache=real["cache"],
+                 cwd=real["tmp"], env=no_identity(tmp_path))
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert "is the tool's cache: its v0.20.2 is the release's Python sources" \
+        in p.stdout
+    # its patch file carries the commit into the user's clone
+    pf = Path(re.search(r"am -k (\S+)", p.stdout).group(1))
+    am_round_trip(user, ref, real["commit"], tmp_path, pf)
+    assert git("rev-parse", f"{ref}^", cwd=real["cache"] / "vllm.git") == \
+        real["commit"]
+    # the same patch on the same base with the same identity: the same commit
+    assert git("rev-parse", ref, cwd=real["cache"] / "vllm.git") == \
+        git("rev-parse", ref, cwd=user)
+
+
+def test_real_series_exports(tmp_path: Path) -> None:
+    """Each patch of the project's own series exports (when the series lists
+    any and the v0.20.2 base is at hand)."""
+    series = ROOT / "series"
+    listed = [ln.strip() for ln in series.read_text().splitlines()
+              if ln.strip() and not ln.startswith("#")]
+    tq = [e for e in listed if e.startswith("tq/")]
+    if not tq:
+        pytest.skip("the series lists no tq patch yet")
+    env = dict(os.environ, VLLM_PATCHES_OFFLINE="1")
+    env.pop("VLLM_PATCHES_CACHE", None)
+    p = subprocess.run([PY, str(APPLY), "base", "--stack", "tq"], env=env,
+                       capture_output=True, text=True, timeout=1800)
+    assert p.returncode == 0, p.stderr
+    repo = p.stdout.split()[2].split("=", 1)[1]
+    user = tmp_path / "vllm"
+    git("clone", "-q", "--bare", "--shared", repo, str(user), cwd=tmp_path)
+    for entry in tq:
+        r = run_tool("export", entry, "--repo", str(user), "--series",
+                     str(series), cache=tmp_path / "cache", cwd=tmp_path)
+        assert r.returncode == 0, r.stdout + r.stderr
+        ref = f"refs/heads/patched/pr/{Path(entry).stem}"
+        parent = git("rev-parse", f"{ref}^", cwd=user)
+        assert git("rev-list", "--count", f"{parent}..{ref}", cwd=user) == "1"
+        added = git("diff", "--name-only", "--diff-filter=A", parent, ref,
+                    cwd=user).split()
+        assert any(a.startswith("tests/") and a.endswith(".py") for a in added)
+        am_round_trip(user, ref, parent, tmp_path)
