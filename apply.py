@@ -1485,13 +1485,15 @@ class Rebase:
         print(f"  conflicting files (in {wt}):")
         for f in files:
             print(f"    {f}")
+        cmd = "python apply.py rebase"
+        if self.series.path != (PROJECT / "series").resolve():
+            cmd += f" --series {shlex.quote(str(self.series.path))}"
         print("  resolve them there, 'git add' them, then one of:")
-        print(f"    python apply.py rebase --continue     # commit the resolution "
-              "(git am --continue) and go on")
-        print("    python apply.py rebase --skip         # drop this patch from "
-              "the stack and go on")
-        print("    python apply.py rebase --abort        # stop; series and "
-              "patches stay as they were")
+        print(f"    {cmd} --continue   # commit the resolution (git am "
+              "--continue) and go on")
+        print(f"    {cmd} --skip       # drop this patch from the stack and go on")
+        print(f"    {cmd} --abort      # stop; series and patches stay as they "
+              "were")
 
     def resume(self, how: str) -> int:
         if not self.load():
@@ -1562,7 +1564,9 @@ class Rebase:
         for r in st["results"]:
             why = f"  ({r['reason']})" if r.get("reason") else ""
             print(f"  {r['file']:<60} {r['outcome']}{why}")
-        if st.get("old_head"):
+        if not st["staged"]:
+            print("\n(no patch of the stack is left to compare)")
+        elif st.get("old_head"):
             rd = git("range-diff", "--no-color",
                      f"{st['old_base']}..{st['old_head']}", f"{base.commit}..{head}",
                      cwd=base.repo, check=False)

@@ -183,9 +183,15 @@ def env(vllm_tree: Path) -> Iterator[SimpleNamespace]:
         )
         from vllm.v1.attention.backend import CommonAttentionMetadata
 
+        from vllm.v1.worker import workspace
+
         tq = importlib.import_module(TQ_MODULE)
         config = VllmConfig()
         _vllm_dir = str((vllm_tree / "vllm").resolve()) + os.sep
+        # As the model runner does, the workspace manager exists before any
+        # attention layer is built: continuation prefill takes its dequant
+        # buffers from it in later releases (v0.21.0+) and with tq/0001.
+        workspace.init_workspace_manager(DEVICE)
         yield Env(
             tq=tq,
             config=config,
@@ -194,6 +200,7 @@ def env(vllm_tree: Path) -> Iterator[SimpleNamespace]:
             CAM=CommonAttentionMetadata,
             tree=vllm_tree,
         )
+        workspace.reset_workspace_manager()
         _vllm_dir = None
 
 

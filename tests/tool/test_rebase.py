@@ -125,7 +125,7 @@ def start_conflict(rb: Fixture) -> subprocess.CompletedProcess[str]:
     assert "CONFLICT: fx/0002-fix-scale.patch" in p.stdout
     assert "vllm/mod.py" in p.stdout
     for cmd in ("--continue", "--skip", "--abort"):
-        assert f"apply.py rebase {cmd}" in p.stdout
+        assert f"apply.py rebase --series {rb.series} {cmd}" in p.stdout
     return p
 
 
