@@ -14,7 +14,6 @@ from conftest import (
     FIXED_ADD,
     MOD_V1,
     REG_ADD,
-    REG_SCALE,
     Fixture,
     git,
     standard_stack,

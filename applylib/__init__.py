@@ -1,0 +1,1 @@
+"""apply.py's library: see apply.py and README.md (Layout)."""

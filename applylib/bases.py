@@ -1,0 +1,364 @@
+"""Bases: a user repository, or the tool's cache filled from git remotes
+and release wheels; and the tool's own worktrees."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import fcntl
+import hashlib
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from .core import (
+    BASE_DATE,
+    IDENTITY,
+    TOOL_NAME,
+    UPSTREAM_URL,
+    UserError,
+    git,
+    git_common_dir,
+    gout,
+    open_repo,
+    rev_commit,
+    say,
+)
+from .series import Stack
+
+
+def cache_dir() -> Path:
+    if os.environ.get("VLLM_PATCHES_CACHE"):
+        return Path(os.environ["VLLM_PATCHES_CACHE"]).expanduser().resolve()
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base).expanduser().resolve() / TOOL_NAME
+
+
+@contextlib.contextmanager
+def locked(name: str):
+    """One run at a time per repository: the worktrees are shared state."""
+    d = cache_dir() / "locks"
+    d.mkdir(parents=True, exist_ok=True)
+    with open(d / f"{name}.lock", "w") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        yield
+
+
+def ref_label(rev: str) -> str:
+    label = re.sub(r"[^A-Za-z0-9._-]+", "-", rev).strip(".-") or "base"
+    return label[:60]
+
+
+RELEASE_TAG = re.compile(r"^v?(\d+\.\d+\.\d+(?:\.post\d+)?)$")
+
+
+@dataclasses.dataclass
+class Base:
+    repo: Path
+    rev: str
+    commit: str
+    source: str  # "repo" | "cache" | "pypi" | "remote"
+    upstream_commit: str | None = None
+
+
+class BaseUnavailable(Exception):
+    def __init__(self, reason: str, hint: str):
+        super().__init__(reason)
+        self.reason, self.hint = reason, hint
+
+
+def find_user_repo(arg: str | None) -> Path | None:
+    if arg:
+        return open_repo(Path(arg).expanduser())
+    env = os.environ.get("VLLM_REPO")
+    if env:
+        return open_repo(Path(env).expanduser())
+    local = Path("vllm")
+    if (local / ".git").exists():
+        return open_repo(local)
+    return None
+
+
+def cache_repo() -> Path:
+    repo = cache_dir() / "vllm.git"
+    if not (repo / "HEAD").exists():
+        repo.parent.mkdir(parents=True, exist_ok=True)
+        git("init", "-q", "--bare", str(repo))
+        git("config", "gc.auto", "0", cwd=repo)
+    return repo
+
+
+def upstream_commit_of(repo: Path, commit: str) -> str | None:
+    msg = gout("log", "-1", "--format=%B", commit, cwd=repo)
+    m = re.search(r"^Upstream-Commit: (\S+)$", msg, re.M)
+    return m.group(1) if m else None
+
+
+def resolve_base(
+    stack: Stack, rev: str | None, user_repo: Path | None, offline: bool
+) -> Base:
+    """Find the stack's base, obtaining it into the cache repo if needed."""
+    pins = stack.pins
+    candidates = (
+        [rev]
+        if rev
+        else [r for r in (pins.get("commit"), pins.get("tag"), pins.get("branch")) if r]
+    )
+    if user_repo is not None:
+        for r in candidates:
+            c = rev_commit(user_repo, r)
+            if c:
+                return Base(user_repo, r, c, "repo")
+        if rev:
+            raise UserError(f"unknown revision '{rev}' in {user_repo}")
+        raise BaseUnavailable(
+            f"{user_repo} has none of {', '.join(candidates)}",
+            stack.fetch_hint(user_repo),
+        )
+    repo = cache_repo()
+    shown = rev or pins.get("tag") or pins.get("commit") or pins["branch"]
+    for r in candidates:
+        c = rev_commit(repo, r)
+        if c:
+            return Base(repo, shown, c, "cache", upstream_commit_of(repo, c))
+    errors = []
+    url = pins.get("repo", UPSTREAM_URL)
+    if not offline:
+        want = rev or pins.get("fetch") or pins.get("commit") or pins.get("tag")
+        if want:
+            c = fetch_remote(repo, url, want)
+            if c:
+                return Base(repo, shown, c, "remote", c)
+            errors.append(f"{url} is unreachable or lacks {want}")
+    release = None
+    tag = rev or pins.get("tag")
+    if tag and RELEASE_TAG.match(tag) and url.rstrip("/") == UPSTREAM_URL:
+        release = RELEASE_TAG.match(tag).group(1)
+    if release is None and rev and RELEASE_TAG.match(rev):
+        release = RELEASE_TAG.match(rev).group(1)
+    if release:
+        c = materialize_release(repo, release)
+        up = upstream_commit_of(repo, c)
+        pin = pins.get("commit")
+        if not rev and pin and up and not pin.startswith(up):
+            say(
+                f"warning: PyPI {release} says it was built from {up}, but the "
+                f"stack pins {pin}"
+            )
+        return Base(repo, shown, c, "pypi", up)
+    if rev and re.fullmatch(r"[0-9a-f]{7,40}", rev) is None and not errors:
+        raise UserError(
+            f"unknown revision '{rev}': not a release (vX.Y.Z) and "
+            "no repository given (--repo)"
+        )
+    raise BaseUnavailable(
+        "; ".join(errors) or f"base {shown} is not a release and not cached",
+        stack.fetch_hint(repo),
+    )
+
+
+def fetch_remote(repo: Path, url: str, want: str) -> str | None:
+    timeout = float(os.environ.get("VLLM_PATCHES_FETCH_TIMEOUT", "60"))
+    ref = f"refs/{TOOL_NAME}/fetched/{ref_label(want)}"
+    src = want
+    if RELEASE_TAG.match(want):
+        src = f"refs/tags/{want}"
+    try:
+        proc = git(
+            "fetch",
+            "--quiet",
+            "--depth=1",
+            "--no-tags",
+            url,
+            f"+{src}:{ref}",
+            cwd=repo,
+            check=False,
+            timeout=timeout,
+        )
+    except subprocess.TimeoutExpired:
+        return None
+    if proc.returncode != 0:
+        return None
+    return rev_commit(repo, ref)
+
+
+def pip_platform_args() -> list[str]:
+    # pip matches platform tags exactly: name every glibc a release may target.
+    plats = [f"manylinux_2_{n}_x86_64" for n in range(39, 16, -1)]
+    plats.append("manylinux2014_x86_64")
+    args = ["--python-version", "3.12", "--implementation", "cp"]
+    for p in plats:
+        args += ["--platform", p]
+    return args
+
+
+def release_wheel(version: str) -> Path:
+    """The official wheel of a release: from the cache, or downloaded by pip."""
+    dist = cache_dir() / "dist"
+    dist.mkdir(parents=True, exist_ok=True)
+    found = sorted(dist.glob(f"vllm-{version}-*.whl"))
+    if found:
+        return found[0]
+    say(
+        f"apply.py: downloading the vllm {version} release wheel with pip "
+        "(about 250 MB, once; cached in {})".format(dist)
+    )
+    t0 = time.monotonic()
+    with tempfile.TemporaryDirectory(dir=dist) as tmp:
+        cmd = [
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            "--no-deps",
+            "--only-binary=:all:",
+            "--progress-bar",
+            "off",
+            "--disable-pip-version-check",
+            *pip_platform_args(),
+            "-d",
+            tmp,
+            f"vllm=={version}",
+        ]
+        proc = subprocess.Popen(
+            cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        )
+        assert proc.stdout is not None
+        tail = []
+        for line in proc.stdout:
+            line = line.rstrip()
+            if line.startswith("WARNING: Location"):
+                continue
+            tail = (tail + [line])[-5:]
+            if line.startswith(("Collecting", "Downloading", "Saved")):
+                say(f"  pip: {line.strip()}")
+        if proc.wait() != 0:
+            raise BaseUnavailable(
+                f"pip could not download vllm=={version}: {' / '.join(tail)}",
+                f"pip download --no-deps --only-binary=:all: vllm=={version} -d {dist}",
+            )
+        got = sorted(Path(tmp).glob(f"vllm-{version}-*.whl"))
+        if not got:
+            raise BaseUnavailable(
+                f"pip gave no vllm {version} wheel", f"pip download vllm=={version}"
+            )
+        final = dist / got[0].name
+        os.replace(got[0], final)
+    say(
+        f"  downloaded {final.name} ({final.stat().st_size / 1e6:.0f} MB) in "
+        f"{time.monotonic() - t0:.0f} s"
+    )
+    return final
+
+
+def materialize_release(repo: Path, version: str, wheel: Path | None = None) -> str:
+    """Commit a release's Python sources (from its wheel) as tag vX.Y.Z.
+
+    One root commit per release, all of vllm/ but compiled extensions, with
+    fixed author, committer and date, so the same release gives the same
+    commit id everywhere. The upstream commit the release was built from
+    (vllm/_version.py's __commit_id__) is recorded as a trailer.
+    """
+    import zipfile
+
+    tag = f"v{version}"
+    c = rev_commit(repo, f"refs/tags/{tag}")
+    if c:
+        return c
+    wheel = wheel or release_wheel(version)
+    say(f"apply.py: committing {wheel.name} as {tag} in {repo}")
+    upstream = None
+    stream = tempfile.TemporaryFile()
+    with zipfile.ZipFile(wheel) as zf:
+        names = sorted(
+            n
+            for n in zf.namelist()
+            if n.startswith("vllm/")
+            and not n.endswith("/")
+            and not re.search(r"\.so(\.\d+)*$", n)
+        )
+        if not names:
+            raise UserError(f"{wheel}: no vllm/ sources inside")
+        for n in names:
+            data = zf.read(n)
+            mode = "100755" if (zf.getinfo(n).external_attr >> 16) & 0o111 else "100644"
+            if n == "vllm/_version.py":
+                m = re.search(rb"__commit_id__ = commit_id = '(?:g)?([0-9a-f]+)'", data)
+                upstream = m.group(1).decode() if m else None
+            stream.write(f"M {mode} inline {n}\ndata {len(data)}\n".encode())
+            stream.write(data + b"\n")
+    msg = (
+        f"vLLM {version} (Python sources of the release wheel)\n\n"
+        f"Materialized by apply.py from {wheel.name}: every file under vllm/\n"
+        "except compiled extensions.\n\n"
+        f"Release: {version}\n" + (f"Upstream-Commit: {upstream}\n" if upstream else "")
+    ).encode()
+    ident = f"{IDENTITY[0]} <{IDENTITY[1]}> {BASE_DATE}"
+    header = (
+        (
+            f"commit refs/{TOOL_NAME}/import\n"
+            f"author {ident}\ncommitter {ident}\n"
+            f"data {len(msg)}\n"
+        ).encode()
+        + msg
+        + b"deleteall\n"
+    )
+    stream.seek(0)
+    fi = subprocess.Popen(
+        ["git", "fast-import", "--quiet", "--force"], cwd=repo, stdin=subprocess.PIPE
+    )
+    assert fi.stdin is not None
+    fi.stdin.write(header)
+    shutil.copyfileobj(stream, fi.stdin)
+    fi.stdin.write(b"\n")
+    fi.stdin.close()
+    if fi.wait() != 0:
+        raise UserError(f"git fast-import failed while committing {wheel.name}")
+    c = gout("rev-parse", f"refs/{TOOL_NAME}/import", cwd=repo)
+    git("update-ref", f"refs/tags/{tag}", c, cwd=repo)
+    git("update-ref", "-d", f"refs/{TOOL_NAME}/import", cwd=repo)
+    return c
+
+
+def worktree(repo: Path, key: str, commit: str) -> Path:
+    """A worktree of the tool's own at `commit`, reused and reset between runs.
+
+    Whatever a killed run left (an am in progress, a stale index lock, a
+    half-made worktree) is cleared here, so the next run starts clean.
+    """
+    common = git_common_dir(repo)
+    rid = hashlib.sha1(str(common).encode()).hexdigest()[:10]
+    path = cache_dir() / "worktrees" / rid / key
+    # Registered and intact: <path>/.git names an admin dir of this repo
+    # whose gitdir file points back (read directly: no git process needed).
+    admin = None
+    with contextlib.suppress(OSError, ValueError):
+        text = (path / ".git").read_text().strip()
+        if text.startswith("gitdir: "):
+            admin = Path(text[len("gitdir: ") :])
+            back = (admin / "gitdir").read_text().strip()
+            if admin.parent != common / "worktrees" or Path(back) != path / ".git":
+                admin = None
+    usable = admin is not None
+    if admin is not None:
+        for stale in ("index.lock", "HEAD.lock"):
+            (admin / stale).unlink(missing_ok=True)
+        shutil.rmtree(admin / "rebase-apply", ignore_errors=True)
+        proc = git("checkout", "-q", "-f", "--detach", commit, cwd=path, check=False)
+        usable = proc.returncode == 0
+        if usable:
+            git("clean", "-fdq", "-e", "__pycache__", cwd=path)
+    if not usable:
+        git(
+            "worktree", "remove", "--force", "--force", str(path), cwd=repo, check=False
+        )
+        shutil.rmtree(path, ignore_errors=True)
+        git("worktree", "prune", cwd=repo)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        git("worktree", "add", "-q", "--detach", str(path), commit, cwd=repo)
+    return path

@@ -1,0 +1,135 @@
+"""The command line: one parser, every command."""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+from .commands import cmd_base, cmd_check, cmd_format_patch, cmd_test
+from .core import PROJECT, GitError, UserError, common, say
+from .export import add_deliver_commands
+from .rebase import add_rebase_commands
+from .runner import cmd_apply
+
+
+def parser() -> argparse.ArgumentParser:
+    fmt = argparse.RawDescriptionHelpFormatter
+    p = argparse.ArgumentParser(
+        prog="apply.py",
+        formatter_class=fmt,
+        description="Apply the vLLM patch series onto a base, run each patch's "
+        "targeted tests, and report.",
+        epilog="examples:\n"
+        "  python apply.py                      # every stack at its pin\n"
+        "  python apply.py --base v0.20.2 --repo ~/src/vllm --json out.json\n"
+        "commands: check, test, base, format-patch, rebase, status, wheel,\n"
+        "          export (each has --help with an example)\n"
+        "exit: 0 ok, 1 conflict or test failure, 2 bad input",
+    )
+    p.add_argument(
+        "--series",
+        default=str(PROJECT / "series"),
+        help="series file (default: ./series beside apply.py)",
+    )
+    p.add_argument("--base", help="base revision (default: each stack's pin)")
+    p.add_argument(
+        "--repo",
+        help="vLLM git repository (default: $VLLM_REPO, "
+        "./vllm, else the tool's cache filled from a remote or PyPI)",
+    )
+    p.add_argument(
+        "--stack", help="stack to apply (default: all; with --base, the first)"
+    )
+    p.add_argument("--json", help="write the JSON report here")
+    p.add_argument(
+        "--require-all",
+        action="store_true",
+        help="a stack skipped for want of its base is an error",
+    )
+    p.add_argument("--no-tests", action="store_true", help="apply only")
+    p.add_argument(
+        "--offline",
+        action="store_true",
+        default=bool(os.environ.get("VLLM_PATCHES_OFFLINE")),
+        help="never try git remotes (also $VLLM_PATCHES_OFFLINE=1)",
+    )
+    p.add_argument(
+        "--python",
+        help="Python that runs the targeted tests "
+        "(default: $VLLM_PATCHES_PYTHON, ./.venv, this one)",
+    )
+    sub = p.add_subparsers(dest="cmd", metavar="COMMAND")
+
+    c = sub.add_parser(
+        "check",
+        formatter_class=fmt,
+        help="lint the series and patches (fast, offline)",
+        description="Check that series and patches/ agree, every "
+        "patch parses with the required trailers, touches only "
+        "safe paths, and re-exports byte-identically.",
+        epilog="example:\n  python apply.py check",
+    )
+    c.set_defaults(func=cmd_check)
+
+    t = sub.add_parser(
+        "test",
+        formatter_class=fmt,
+        help="run patches' targeted tests against a tree",
+        description="Run the targeted tests (Tests: trailers) of "
+        "the given patches (default: all) against a vLLM tree.",
+        epilog="example:\n  python apply.py test 0002 --tree ~/src/vllm",
+    )
+    t.add_argument("patches", nargs="*", help="patch file names or prefixes")
+    t.add_argument("--tree", required=True, help="vLLM source tree root")
+    t.add_argument("--json", help="write results here")
+    t.set_defaults(func=cmd_test)
+
+    b = sub.add_parser(
+        "base",
+        formatter_class=fmt,
+        help="obtain a base (remote or PyPI release) and print it",
+        description="Resolve a stack's base, obtaining it into "
+        "the tool's cache repository if needed.",
+        epilog="example:\n  python apply.py base v0.21.0",
+    )
+    b.add_argument("rev", nargs="?", help="revision (default: the stack's pin)")
+    b.set_defaults(func=cmd_base)
+
+    f = sub.add_parser(
+        "format-patch",
+        formatter_class=fmt,
+        help="export one commit deterministically",
+        description="Export one commit as a patch file with the "
+        "series' pinned format-patch flags.",
+        epilog="example:\n  python apply.py format-patch --repo "
+        "../vllm HEAD --out patches/tq/0004-x.patch",
+    )
+    f.add_argument("rev", nargs="?", default="HEAD")
+    f.add_argument("--repo", required=True)
+    f.add_argument("--out")
+    f.set_defaults(func=cmd_format_patch)
+    for sp in (t, b):
+        common(sp, "python", "offline")
+    common(b, "stack", "repo")
+    common(c, "repo")
+    add_rebase_commands(sub)
+    add_deliver_commands(sub)
+    for sp in sub.choices.values():
+        common(sp, "series")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    try:
+        if getattr(args, "func", None):
+            return args.func(args)
+        return cmd_apply(args)
+    except UserError as e:
+        say(f"apply.py: error: {e}")
+        return 2
+    except GitError as e:
+        say(f"apply.py: error: {e}")
+        return 2
+    except KeyboardInterrupt:
+        return 130

@@ -1,0 +1,211 @@
+"""The check, test, base and format-patch commands."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+from .bases import BaseUnavailable, cache_dir, find_user_repo, resolve_base
+from .core import (
+    IDENTITY,
+    UserError,
+    format_patch,
+    git,
+    gout,
+    open_repo,
+    rev_commit,
+    say,
+)
+from .runner import aggregate, run_tests, test_python
+from .series import (
+    Patch,
+    Series,
+    Stack,
+    check_agreement,
+    lint_patch,
+    load_patch,
+    parse_series,
+)
+
+
+def cmd_check(args: argparse.Namespace) -> int:
+    series = parse_series(Path(args.series))
+    check_agreement(series)
+    problems: list[str] = []
+    checked = 0
+    for st in series.stacks:
+        loaded = []
+        for entry in st.patches:
+            p = load_patch(series, entry)
+            problems += lint_patch(series, p)
+            loaded.append(p)
+            checked += 1
+        problems += roundtrip(series, st, loaded, find_user_repo(args.repo))
+    for pr in problems:
+        print(pr)
+    if problems:
+        say(f"apply.py check: {len(problems)} problem(s)")
+        return 1
+    print(f"apply.py check: {checked} patches in {len(series.stacks)} stacks: ok")
+    return 0
+
+
+def roundtrip(
+    series: Series, stack: Stack, patches: list[Patch], user_repo: Path | None
+) -> list[str]:
+    """Re-export each patch from its base (when at hand) and compare bytes.
+
+    Offline and without a checkout: the patches are applied to the base's
+    tree in a temporary index, committed with their own author, date and
+    message, and exported again.
+    """
+    base = None
+    for repo in (user_repo, cache_dir() / "vllm.git"):
+        if repo is None or not (
+            repo.is_dir() and (repo / "HEAD").exists() or (repo / ".git").exists()
+        ):
+            continue
+        for r in (
+            stack.pins.get("commit"),
+            stack.pins.get("tag"),
+            stack.pins.get("branch"),
+        ):
+            base = rev_commit(repo, r) if r else None
+            if base:
+                break
+        if base:
+            break
+    if base is None:
+        print(
+            f"note: stack {stack.name}: base not at hand, export round-trip "
+            "not checked (run 'apply.py base --stack NAME' first)"
+        )
+        return []
+    probs = []
+    with tempfile.TemporaryDirectory() as tmp:
+        env = {"GIT_INDEX_FILE": str(Path(tmp) / "index")}
+        git("read-tree", base, cwd=repo, env=env)
+        parent = base
+        for p in patches:
+            info = git(
+                "mailinfo",
+                "-k",
+                "-b",
+                str(Path(tmp) / "msg"),
+                str(Path(tmp) / "diff"),
+                cwd=repo,
+                input=p.raw,
+            ).stdout
+            hdr = dict(
+                ln.split(": ", 1) for ln in info.decode().splitlines() if ": " in ln
+            )
+            msg = hdr.get("Subject", "") + "\n\n" + (Path(tmp) / "msg").read_text()
+            proc = git(
+                "apply",
+                "--cached",
+                str(Path(tmp) / "diff"),
+                cwd=repo,
+                env=env,
+                check=False,
+            )
+            if proc.returncode != 0:
+                probs.append(
+                    f"patches/{p.file}: does not apply to the stack's base in order"
+                )
+                break
+            tree = gout("write-tree", cwd=repo, env=env)
+            cenv = dict(
+                env,
+                GIT_AUTHOR_NAME=hdr.get("Author", ""),
+                GIT_AUTHOR_EMAIL=hdr.get("Email", ""),
+                GIT_AUTHOR_DATE=hdr.get("Date", ""),
+                GIT_COMMITTER_NAME=IDENTITY[0],
+                GIT_COMMITTER_EMAIL=IDENTITY[1],
+                GIT_COMMITTER_DATE=hdr.get("Date", ""),
+            )
+            commit = gout(
+                "commit-tree",
+                tree,
+                "-p",
+                parent,
+                cwd=repo,
+                env=cenv,
+                input=msg.rstrip("\n").encode() + b"\n",
+            )
+            again = format_patch(repo, commit)
+            if again != p.raw:
+                probs.append(
+                    f"patches/{p.file}: re-export differs (not a "
+                    "deterministic export; use 'apply.py format-patch')"
+                )
+            parent = commit
+    if not probs:
+        print(f"stack {stack.name}: export round-trip on {base[:12]}: byte-identical")
+    return probs
+
+
+def cmd_test(args: argparse.Namespace) -> int:
+    series = parse_series(Path(args.series))
+    tree = Path(args.tree).expanduser().resolve()
+    if not (tree / "vllm" / "__init__.py").is_file():
+        raise UserError(f"{tree}: not a vLLM tree (no vllm/__init__.py)")
+    entries = [p for s in series.stacks for p in s.patches]
+    chosen = []
+    for want in args.patches or entries:
+        match = [
+            e
+            for e in entries
+            if e == want or Path(e).name == want or Path(e).name.startswith(want)
+        ]
+        if len(match) != 1:
+            raise UserError(f"'{want}': no single patch of the series matches")
+        chosen.append(load_patch(series, match[0]))
+    ids: list[str] = []
+    for p in chosen:
+        ids += [t for t in p.tests if t not in ids]
+    out, log = run_tests(series.root, tree, ids, test_python(args.python), "tree")
+    print(log.rstrip()[-4000:])
+    rows = []
+    code = 0
+    for p in chosen:
+        r = aggregate([out[t][0] for t in p.tests], False)
+        rows.append(
+            {"file": p.file, "tests": r, "outcomes": {t: out[t][0] for t in p.tests}}
+        )
+        print(f"  {p.file}: {r}")
+        if r in ("fail", "error"):
+            code = 1
+    if args.json:
+        Path(args.json).write_text(
+            json.dumps({"tree": str(tree), "patches": rows}, indent=2) + "\n"
+        )
+    return code
+
+
+def cmd_base(args: argparse.Namespace) -> int:
+    series = parse_series(Path(args.series), need_patches=False)
+    stack = series.stack(args.stack)
+    user_repo = find_user_repo(args.repo)
+    try:
+        base = resolve_base(stack, args.rev, user_repo, args.offline)
+    except BaseUnavailable as e:
+        say(f"apply.py: base unavailable: {e.reason}\n  to get it: {e.hint}")
+        return 1
+    up = f" upstream={base.upstream_commit}" if base.upstream_commit else ""
+    print(f"{base.rev} {base.commit} repo={base.repo} source={base.source}{up}")
+    return 0
+
+
+def cmd_format_patch(args: argparse.Namespace) -> int:
+    repo = open_repo(Path(args.repo))
+    if not rev_commit(repo, args.rev):
+        raise UserError(f"unknown revision '{args.rev}' in {repo}")
+    data = format_patch(repo, args.rev)
+    if args.out:
+        Path(args.out).write_bytes(data)
+    else:
+        sys.stdout.buffer.write(data)
+    return 0

@@ -1,0 +1,201 @@
+"""Constants, errors and git plumbing shared by every part of apply.py."""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+PROJECT = Path(__file__).resolve().parent.parent  # the project root
+
+
+TOOL_NAME = "vllm-patches"
+
+
+IDENTITY = ("vllm-patch-series", "vllm-patch-series@users.noreply.github.com")
+
+
+REF_NS = "refs/heads/patched"
+
+
+UPSTREAM_URL = "https://github.com/vllm-project/vllm"
+
+
+# A fixed date for the commits the tool makes from release archives, so that
+# the same release always gives the same commit id on every machine.
+BASE_DATE = "946684800 +0000"  # 2000-01-01T00:00:00Z
+
+
+UPSTREAM_STATUS = re.compile(
+    r"^(Pending|Submitted \[\S+\]|Backport \[[^\]]+\]|Inappropriate \[[^\]]+\])$"
+)
+
+
+SPDX = (
+    "# SPDX-License-Identifier: Apache-2.0",
+    "# SPDX-FileCopyrightText: Copyright contributors to the vLLM project",
+)
+
+
+ZERO_FROM = b"From 0000000000000000000000000000000000000000 Mon Sep 17 00:00:00 2001\n"
+
+
+STACK_KEYS = {"repo", "tag", "branch", "commit", "upstream", "pypi", "fetch"}
+
+
+RECORDS = ("not-needed", "dropped")  # patch records kept in series for history
+
+
+# Deterministic export: every flag and config value that shapes format-patch
+# output is pinned, so re-exporting an unchanged commit gives the same bytes.
+FORMAT_PATCH_CONFIG = (
+    "core.abbrev=12",
+    "diff.noprefix=false",
+    "diff.mnemonicPrefix=false",
+    "diff.renames=false",
+    "diff.algorithm=myers",
+    "diff.indentHeuristic=true",
+    "format.signature=",
+    "format.headers=",
+    "format.numbered=false",
+    "format.coverLetter=false",
+    "format.signOff=false",
+    "format.thread=false",
+)
+
+
+FORMAT_PATCH_FLAGS = (
+    "format-patch",
+    "--stdout",
+    "--zero-commit",
+    "--full-index",
+    "--no-signature",
+    "--keep-subject",
+    "--no-renames",
+    "--no-numbered",
+    "--stat=72",
+    "--encode-email-headers",
+    "--no-attach",
+    "--no-thread",
+    "--no-to",
+    "--no-cc",
+)
+
+
+# What git am must not take from the user's configuration.
+AM_CONFIG = (
+    "core.hooksPath=/dev/null",
+    "am.keepcr=false",
+    "am.threeWay=false",
+    "am.messageid=false",
+    "apply.whitespace=nowarn",
+    "core.autocrlf=false",
+    "commit.gpgSign=false",
+    f"user.name={IDENTITY[0]}",
+    f"user.email={IDENTITY[1]}",
+)
+
+
+class UserError(Exception):
+    """Bad input or environment: exit 2 with one line on stderr."""
+
+
+def say(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def git(
+    *args: str,
+    cwd: Path | str | None = None,
+    check: bool = True,
+    env: dict[str, str] | None = None,
+    input: bytes | None = None,
+    config: tuple[str, ...] = (),
+    timeout: float | None = None,
+) -> subprocess.CompletedProcess[bytes]:
+    cmd = ["git"]
+    for c in config:
+        cmd += ["-c", c]
+    cmd += list(args)
+    full_env = dict(os.environ)
+    full_env.update({"GIT_TERMINAL_PROMPT": "0", "LC_ALL": "C"})
+    if env:
+        full_env.update(env)
+    proc = subprocess.run(
+        cmd,
+        cwd=cwd,
+        input=input,
+        capture_output=True,
+        env=full_env,
+        timeout=timeout,
+    )
+    if check and proc.returncode != 0:
+        err = proc.stderr.decode(errors="replace").strip().splitlines()
+        raise GitError(" ".join(cmd[:6]), proc.returncode, err[-1] if err else "")
+    return proc
+
+
+class GitError(Exception):
+    def __init__(self, cmd: str, rc: int, last: str):
+        super().__init__(f"{cmd}: exit {rc}: {last}")
+        self.rc = rc
+
+
+def gout(*args: str, cwd: Path | str | None = None, **kw) -> str:
+    return git(*args, cwd=cwd, **kw).stdout.decode().strip()
+
+
+def rev_commit(repo: Path, rev: str) -> str | None:
+    proc = git(
+        "rev-parse", "--verify", "--quiet", f"{rev}^{{commit}}", cwd=repo, check=False
+    )
+    return proc.stdout.decode().strip() or None if proc.returncode == 0 else None
+
+
+@functools.lru_cache(maxsize=None)
+def git_common_dir(repo: Path) -> Path:
+    return Path(
+        gout("rev-parse", "--path-format=absolute", "--git-common-dir", cwd=repo)
+    )
+
+
+def open_repo(path: Path) -> Path:
+    if not path.exists():
+        raise UserError(f"{path}: no such directory (give a vLLM git repository)")
+    proc = git("rev-parse", "--git-dir", cwd=path, check=False)
+    if proc.returncode != 0:
+        raise UserError(f"{path}: not a git repository (give a vLLM git clone)")
+    return path.resolve()
+
+
+def format_patch(repo: Path, rev: str) -> bytes:
+    """The deterministic export of one commit."""
+    return git(
+        *FORMAT_PATCH_FLAGS, "-1", rev, cwd=repo, config=FORMAT_PATCH_CONFIG
+    ).stdout
+
+
+def common(sp: argparse.ArgumentParser, *names: str) -> None:
+    """The global options, accepted after a command too."""
+    helps = {
+        "series": "series file",
+        "repo": "vLLM git repository",
+        "stack": "stack name",
+        "python": "Python that runs the tests",
+        "offline": "never try git remotes",
+        "json": "write JSON here",
+    }
+    for n in names:
+        if n == "offline":
+            sp.add_argument(
+                "--offline",
+                action="store_true",
+                default=argparse.SUPPRESS,
+                help=helps[n],
+            )
+        else:
+            sp.add_argument(f"--{n}", default=argparse.SUPPRESS, help=helps[n])

@@ -1,0 +1,663 @@
+"""rebase (--continue/--skip/--abort, --time-machine) and status."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import hashlib
+import json
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from .bases import (
+    RELEASE_TAG,
+    Base,
+    BaseUnavailable,
+    cache_dir,
+    find_user_repo,
+    ref_label,
+    resolve_base,
+    worktree,
+)
+from .core import (
+    AM_CONFIG,
+    PROJECT,
+    RECORDS,
+    REF_NS,
+    UserError,
+    common,
+    format_patch,
+    git,
+    gout,
+    rev_commit,
+    say,
+)
+from .runner import (
+    PatchResult,
+    aggregate,
+    am,
+    apply_stack,
+    conflicted_files,
+    run_tests,
+    test_python,
+)
+from .series import Patch, Series, Stack, check_agreement, load_patch, parse_series
+
+
+def stack_directive(name: str, pins: dict[str, str]) -> str:
+    order = ["repo", "tag", "branch", "commit", "upstream", "pypi", "fetch"]
+    return " ".join(
+        [f"#@ stack {name}"]
+        + [f"{k}={shlex.quote(pins[k])}" for k in order if pins.get(k)]
+    )
+
+
+def record_line(rec: dict[str, str]) -> str:
+    extra = "".join(
+        f" {k}={shlex.quote(v)}"
+        for k, v in rec.items()
+        if k not in ("file", "kind") and not k.startswith("_")
+    )
+    return f"#@ {rec['kind']} {rec['file']}{extra}\n"
+
+
+def rewrite_series(
+    series: Series, stack: Stack, pins: dict[str, str], records: list[dict[str, str]]
+) -> str:
+    """The series text with the stack re-pinned and `records` taken out of
+    its active list (kept as '#@ not-needed' / '#@ dropped' lines)."""
+    lines = series.path.read_text().splitlines(keepends=True)
+    gone = {stack.patch_lines[r["file"]] for r in records}
+    last = max(
+        [
+            stack.lineno,
+            *stack.patch_lines.values(),
+            *(int(r.get("_line", 0)) for r in stack.not_needed),
+        ]
+    )
+    out = []
+    for n, line in enumerate(lines, 1):
+        if n == stack.lineno:
+            out.append(stack_directive(stack.name, pins) + "\n")
+        elif n not in gone:
+            out.append(line if line.endswith("\n") else line + "\n")
+        if n == last:
+            out += [record_line(r) for r in records]
+    return "".join(out)
+
+
+def new_pins(stack: Stack, base: Base) -> dict[str, str]:
+    pins = {
+        k: v
+        for k, v in stack.pins.items()
+        if k not in ("tag", "branch", "commit", "upstream", "fetch")
+    }
+    if RELEASE_TAG.match(base.rev):
+        pins["tag"] = base.rev if base.rev.startswith("v") else f"v{base.rev}"
+    elif not re.fullmatch(r"[0-9a-f]{7,40}", base.rev):
+        pins["branch"] = base.rev
+    if base.source in ("repo", "remote"):
+        pins["commit"] = base.commit
+    elif base.upstream_commit:
+        # a release materialized from its wheel: the wheel names the upstream
+        # commit (often abbreviated); the full id is not known offline
+        pins["upstream"] = base.upstream_commit
+    return pins
+
+
+def atomic_write(path: Path, data: bytes) -> None:
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)
+
+
+class Rebase:
+    """A rebase of one stack onto a new base, resumable after a conflict.
+
+    Its state lives in the tool's cache (never in the project), and the new
+    patch files are staged there too: the series and patches/ change only
+    when the whole rebase has succeeded.
+    """
+
+    def __init__(self, series: Series, args: argparse.Namespace):
+        self.series = series
+        self.args = args
+        key = hashlib.sha1(str(series.path).encode()).hexdigest()[:10]
+        self.dir = cache_dir() / "rebase" / key
+        self.file = self.dir / "state.json"
+        self.state: dict = {}
+
+    # state -------------------------------------------------------------
+    def load(self) -> dict | None:
+        if not self.file.exists():
+            return None
+        self.state = json.loads(self.file.read_text())
+        return self.state
+
+    def save(self) -> None:
+        self.dir.mkdir(parents=True, exist_ok=True)
+        atomic_write(self.file, json.dumps(self.state, indent=1).encode())
+
+    def discard(self) -> None:
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+    def stale(self) -> bool:
+        """A 'running' state whose process is gone: a crashed rebase."""
+        if self.state.get("phase") != "running":
+            return False
+        try:
+            os.kill(int(self.state["pid"]), 0)
+        except (OSError, ValueError):
+            return True
+        return False
+
+    # steps -------------------------------------------------------------
+    def start(self, stack: Stack, onto: str, user_repo: Path | None) -> int:
+        if self.load():
+            if self.stale():
+                say("apply.py: a crashed rebase left state behind; starting over")
+                self.discard()
+            else:
+                raise UserError(
+                    f"a rebase of stack '{self.state['stack']}' onto "
+                    f"{self.state['onto']} is in progress: apply.py rebase "
+                    "--continue | --skip | --abort"
+                )
+        try:
+            base = resolve_base(stack, onto, user_repo, self.args.offline)
+        except BaseUnavailable as e:
+            raise UserError(f"base {onto} unavailable: {e.reason} ({e.hint})") from None
+        wt = worktree(base.repo, f"{stack.name}-rebase", base.commit)
+        old_base, old_head = self.old_stack(stack, base.repo)
+        self.state = {
+            "series": str(self.series.path),
+            "stack": stack.name,
+            "onto": onto,
+            "base": dataclasses.asdict(base) | {"repo": str(base.repo)},
+            "worktree": str(wt),
+            "pid": os.getpid(),
+            "phase": "running",
+            "next": 0,
+            "results": [],
+            "staged": {},
+            "old_base": old_base,
+            "old_head": old_head,
+        }
+        self.save()
+        return self.run()
+
+    def old_stack(self, stack: Stack, repo: Path) -> tuple[str | None, str | None]:
+        """The old stack applied on its old base, for range-diff (if at hand)."""
+        for r in (stack.pins.get("commit"), stack.pins.get("tag")):
+            c = rev_commit(repo, r) if r else None
+            if c:
+                wt = worktree(repo, f"{stack.name}-rebase-old", c)
+                patches = [load_patch(self.series, p) for p in stack.patches]
+                res = {p.file: PatchResult(p.file) for p in patches}
+                if not apply_stack(wt, patches, res):
+                    return c, gout("rev-parse", "HEAD", cwd=wt)
+        return None, None
+
+    def run(self) -> int:
+        st = self.state
+        stack = self.series.stack(st["stack"])
+        patches = [load_patch(self.series, p) for p in stack.patches]
+        wt = Path(st["worktree"])
+        st["phase"], st["pid"] = "running", os.getpid()
+        while st["next"] < len(patches):
+            p = patches[st["next"]]
+            pre = gout("rev-parse", "HEAD", cwd=wt)
+            st["pre_head"] = pre
+            self.save()
+            proc = am(wt, [p.path], three_way=False)
+            outcome = "clean"
+            if proc.returncode != 0:
+                git("am", "--abort", cwd=wt, check=False)
+                proc = am(wt, [p.path], three_way=True)
+                outcome = "3way"
+            if proc.returncode != 0:
+                out = (proc.stdout + proc.stderr).decode(errors="replace")
+                files = conflicted_files(wt, out)
+                git("am", "--abort", cwd=wt, check=False)
+                git("reset", "-q", "--hard", pre, cwd=wt)
+                verdict, detail = self.regression_without(p, wt)
+                if verdict == "pass":
+                    self.record(
+                        p,
+                        "not-needed",
+                        "does not apply; its regression "
+                        f"tests pass on {st['onto']} without it",
+                    )
+                    continue
+                am(wt, [p.path], three_way=True)  # the conflict, for the user
+                st.update(phase="stopped", conflict_files=files, conflict_detail=detail)
+                self.save()
+                self.print_stop(p, files, detail)
+                return 1
+            self.keep(p, wt, outcome)
+        return self.finish(stack, patches)
+
+    def regression_without(self, p: Patch, wt: Path) -> tuple[str, str]:
+        res, _ = run_tests(
+            self.series.root,
+            wt,
+            p.regression,
+            test_python(self.args.python),
+            f"{p.file} regression, new base without it",
+        )
+        verdict = aggregate([res[t][0] for t in p.regression], True)
+        return verdict, ", ".join(f"{t}: {res[t][0]}" for t in p.regression)
+
+    def keep(self, p: Patch, wt: Path, outcome: str) -> None:
+        st = self.state
+        staged = self.dir / "staged" / p.file
+        staged.parent.mkdir(parents=True, exist_ok=True)
+        staged.write_bytes(format_patch(wt, "HEAD"))
+        st["staged"][p.file] = str(staged)
+        st["results"].append({"file": p.file, "outcome": outcome})
+        st["next"] += 1
+        self.save()
+
+    def record(self, p: Patch, kind: str, reason: str) -> None:
+        st = self.state
+        st["results"].append({"file": p.file, "outcome": kind, "reason": reason})
+        st["next"] += 1
+        self.save()
+
+    def print_stop(self, p: Patch, files: list[str], detail: str) -> None:
+        wt = self.state["worktree"]
+        print(
+            f"CONFLICT: {p.file} does not apply to {self.state['onto']}, and "
+            f"its regression tests fail there without it ({detail})."
+        )
+        print(f"  conflicting files (in {wt}):")
+        for f in files:
+            print(f"    {f}")
+        cmd = "python apply.py rebase"
+        if self.series.path != (PROJECT / "series").resolve():
+            cmd += f" --series {shlex.quote(str(self.series.path))}"
+        print("  resolve them there, 'git add' them, then one of:")
+        print(
+            f"    {cmd} --continue   # commit the resolution (git am "
+            "--continue) and go on"
+        )
+        print(f"    {cmd} --skip       # drop this patch from the stack and go on")
+        print(f"    {cmd} --abort      # stop; series and patches stay as they were")
+
+    def resume(self, how: str) -> int:
+        if not self.load():
+            raise UserError("no rebase in progress")
+        st = self.state
+        wt = Path(st["worktree"])
+        stack = self.series.stack(st["stack"])
+        in_am = (
+            Path(gout("rev-parse", "--path-format=absolute", "--git-dir", cwd=wt))
+            / "rebase-apply"
+        ).exists()
+        if how == "abort":
+            if in_am:
+                git("am", "--abort", cwd=wt, check=False)
+            self.discard()
+            print(
+                f"rebase of stack '{st['stack']}' aborted: series and patches unchanged"
+            )
+            return 0
+        if st.get("phase") != "stopped" and not self.stale():
+            raise UserError("the rebase is not stopped at a conflict")
+        patches = [load_patch(self.series, p) for p in stack.patches]
+        p = patches[st["next"]]
+        if how == "skip":
+            if in_am:
+                git("am", "--abort", cwd=wt, check=False)
+            git("reset", "-q", "--hard", st["pre_head"], cwd=wt)
+            self.record(
+                p,
+                "dropped",
+                f"skipped by hand during the rebase onto "
+                f"{st['onto']} (did not apply; regression tests failed "
+                "without it)",
+            )
+            return self.run()
+        if in_am:
+            unmerged = gout("diff", "--name-only", "--diff-filter=U", cwd=wt)
+            if unmerged:
+                raise UserError(
+                    f"still unresolved in {wt}: "
+                    f"{' '.join(unmerged.split())} (edit, git add, "
+                    "then --continue)"
+                )
+            proc = git("am", "--continue", cwd=wt, check=False, config=AM_CONFIG)
+            if proc.returncode != 0:
+                err = (proc.stdout + proc.stderr).decode(errors="replace")
+                last = (err.strip().splitlines() or ["?"])[-1]
+                raise UserError(f"git am --continue failed in {wt}: {last}")
+        head = gout("rev-parse", "HEAD", cwd=wt)
+        parent = gout("rev-parse", "HEAD^", cwd=wt, check=False)
+        if parent != st["pre_head"]:
+            raise UserError(
+                f"expected exactly one commit on top of "
+                f"{st['pre_head'][:12]} in {wt} (found {head[:12]})"
+            )
+        self.keep(p, wt, "resolved")
+        return self.run()
+
+    def finish(self, stack: Stack, patches: list[Patch]) -> int:
+        st = self.state
+        base = Base(**(st["base"] | {"repo": Path(st["base"]["repo"])}))
+        wt = Path(st["worktree"])
+        head = gout("rev-parse", "HEAD", cwd=wt)
+        branch = f"{REF_NS}/{stack.name}/{ref_label(st['onto'])}"
+        git("update-ref", branch, head, cwd=base.repo)
+        records = []
+        for r in st["results"]:
+            if r["outcome"] in RECORDS:
+                records.append(
+                    {
+                        "file": r["file"],
+                        "kind": r["outcome"],
+                        "base": st["onto"],
+                        "reason": r["reason"],
+                    }
+                )
+        text = rewrite_series(self.series, stack, new_pins(stack, base), records)
+        for f, staged in st["staged"].items():
+            data = Path(staged).read_bytes()
+            if data != (self.series.patches_dir / f).read_bytes():
+                atomic_write(self.series.patches_dir / f, data)
+        atomic_write(self.series.path, text.encode())
+        print(
+            f"rebased stack '{stack.name}' onto {st['onto']} "
+            f"({base.commit[:12]}): branch {branch}"
+        )
+        for r in st["results"]:
+            why = f"  ({r['reason']})" if r.get("reason") else ""
+            print(f"  {r['file']:<60} {r['outcome']}{why}")
+        if not st["staged"]:
+            print("\n(no patch of the stack is left to compare)")
+        elif st.get("old_head"):
+            rd = git(
+                "range-diff",
+                "--no-color",
+                f"{st['old_base']}..{st['old_head']}",
+                f"{base.commit}..{head}",
+                cwd=base.repo,
+                check=False,
+            )
+            print("\nrange-diff (old series vs new):")
+            print(rd.stdout.decode(errors="replace").rstrip() or "  (no changes)")
+        else:
+            print("\n(range-diff skipped: the old base is not in this repository)")
+        self.discard()
+        return 0
+
+
+def cmd_rebase(args: argparse.Namespace) -> int:
+    series = parse_series(Path(args.series))
+    check_agreement(series)
+    rb = Rebase(series, args)
+    for how in ("continue", "skip", "abort"):
+        if getattr(args, how):
+            return rb.resume(how)
+    stack = series.stack(args.stack)
+    user_repo = find_user_repo(args.repo)
+    onto = args.onto
+    if args.time_machine:
+        onto = time_machine(series, stack, args.time_machine, user_repo, args)
+        if onto is None:
+            return 1
+        if args.dry_run:
+            return 0
+    if not onto:
+        raise UserError(
+            "give --onto REV (or --time-machine A..B, --continue, --skip, --abort)"
+        )
+    return rb.start(stack, onto, user_repo)
+
+
+def version_key(v: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in re.findall(r"\d+", v))
+
+
+def list_releases(lo: str, hi: str, user_repo: Path | None, offline: bool) -> list[str]:
+    """Final releases lo..hi (inclusive), oldest first, as vX.Y.Z: those the
+    package index lists (unless offline) and those tagged in the repos."""
+    found: set[str] = set()
+    if not offline:
+        proc = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "pip",
+                "index",
+                "versions",
+                "vllm",
+                "--disable-pip-version-check",
+            ],
+            capture_output=True,
+            text=True,
+        )
+        m = re.search(r"Available versions: (.*)", proc.stdout)
+        if m:
+            found |= {v.strip() for v in m.group(1).split(",")}
+    for repo in (user_repo, cache_dir() / "vllm.git"):
+        if repo is not None and repo.exists():
+            found |= {
+                t[1:]
+                for t in gout("tag", "--list", "v*", cwd=repo, check=False).split()
+            }
+    want = [
+        v
+        for v in found
+        if re.fullmatch(r"\d+\.\d+\.\d+", v)
+        and version_key(lo) <= version_key(v) <= version_key(hi)
+    ]
+    if not want:
+        raise UserError(
+            f"no vLLM release between {lo} and {hi} (pip index "
+            "unreachable and none cached?)"
+        )
+    return [f"v{v}" for v in sorted(want, key=version_key)]
+
+
+def parse_range(text: str, user_repo: Path | None, offline: bool) -> list[str]:
+    lo, sep, hi = text.partition("..")
+    if not sep or not lo or not hi:
+        raise UserError(f"range '{text}' is not A..B")
+    if RELEASE_TAG.match(lo) and RELEASE_TAG.match(hi):
+        return list_releases(lo.lstrip("v"), hi.lstrip("v"), user_repo, offline)
+    if user_repo is None:
+        raise UserError(
+            "a commit range needs --repo (release ranges vA..vB work without one)"
+        )
+    commits = gout(
+        "rev-list",
+        "--first-parent",
+        "--reverse",
+        f"{lo}..{hi}",
+        cwd=user_repo,
+        check=False,
+    ).split()
+    if not commits:
+        raise UserError(f"empty or unknown range '{text}' in {user_repo}")
+    return commits
+
+
+def try_apply(
+    series: Series,
+    stack: Stack,
+    rev: str,
+    user_repo: Path | None,
+    args: argparse.Namespace,
+    key: str,
+) -> tuple[Base | None, dict[str, PatchResult], str]:
+    try:
+        base = resolve_base(stack, rev, user_repo, args.offline)
+    except BaseUnavailable as e:
+        return None, {}, e.reason
+    patches = [load_patch(series, p) for p in stack.patches]
+    res = {p.file: PatchResult(p.file) for p in patches}
+    wt = worktree(base.repo, f"{stack.name}-{key}", base.commit)
+    apply_stack(wt, patches, res)
+    return base, res, ""
+
+
+def time_machine(
+    series: Series,
+    stack: Stack,
+    rng: str,
+    user_repo: Path | None,
+    args: argparse.Namespace,
+) -> str | None:
+    """The newest base in the range where every patch applies (gbp pq's
+    --time-machine): tried newest first, apply only."""
+    for rev in reversed(parse_range(rng, user_repo, args.offline)):
+        base, res, why = try_apply(series, stack, rev, user_repo, args, "tm")
+        if base is None:
+            print(f"  {rev}: base unavailable ({why})")
+            continue
+        bad = [f for f, r in res.items() if r.apply not in ("clean", "3way")]
+        print(
+            f"  {rev}: "
+            + (
+                "all patches apply"
+                if not bad
+                else f"{len(bad)} do not apply ({', '.join(bad)})"
+            )
+        )
+        if not bad:
+            print(f"time machine: newest base where the stack applies: {rev}")
+            return rev
+    print(f"time machine: no base in {rng} where every patch of '{stack.name}' applies")
+    return None
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    series = parse_series(Path(args.series))
+    check_agreement(series)
+    stack = series.stack(args.stack)
+    user_repo = find_user_repo(args.repo)
+    if bool(args.bases) == bool(args.releases):
+        raise UserError("give one of --bases A,B,... or --releases A..B")
+    revs = (
+        args.bases.split(",")
+        if args.bases
+        else parse_range(args.releases, user_repo, args.offline)
+    )
+    patches = [load_patch(series, p) for p in stack.patches]
+    python = test_python(args.python)
+    columns = []
+    for rev in revs:
+        say(f"apply.py status: {stack.name} on {rev}")
+        base, res, why = try_apply(series, stack, rev, user_repo, args, "status")
+        col = {"base": rev, "cells": {}}
+        if base is None:
+            col["unavailable"] = why
+            columns.append(col)
+            continue
+        col.update(commit=base.commit, upstream_commit=base.upstream_commit)
+        base_wt = worktree(base.repo, f"{stack.name}-status-base", base.commit)
+        ids = list(dict.fromkeys(t for p in patches for t in p.regression))
+        out, _ = run_tests(series.root, base_wt, ids, python, f"{rev}, base")
+        for p in patches:
+            reg = aggregate([out[t][0] for t in p.regression], True)
+            cell = res[p.file].apply
+            if cell == "conflict" and reg == "pass":
+                cell = "not-needed"
+            col["cells"][p.file] = {"apply": cell, "regression_base": reg}
+        columns.append(col)
+    rows = [["patch"] + [c["base"] for c in columns]]
+    for p in patches:
+        row = [p.file]
+        for c in columns:
+            if "unavailable" in c:
+                row.append("unavailable")
+                continue
+            cell = c["cells"][p.file]
+            mark = (
+                "*"
+                if cell["apply"] in ("clean", "3way")
+                and cell["regression_base"] == "pass"
+                else ""
+            )
+            row.append(cell["apply"] + mark)
+        rows.append(row)
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    for i, r in enumerate(rows):
+        print("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=False)).rstrip())
+        if i == 0:
+            print("  ".join("-" * w for w in widths))
+    print("* applies, but its regression tests already pass on that base")
+    report = {
+        "stack": stack.name,
+        "date": time.strftime("%Y-%m-%d"),
+        "columns": columns,
+    }
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
+        print(f"report: {args.json}")
+    return 0
+
+
+def add_rebase_commands(sub: argparse._SubParsersAction) -> None:
+    fmt = argparse.RawDescriptionHelpFormatter
+    r = sub.add_parser(
+        "rebase",
+        formatter_class=fmt,
+        help="carry a stack to a new base",
+        description="Rebase a stack onto a new base: keep (and refresh) each "
+        "patch that applies, mark 'not-needed' the ones that do not apply and "
+        "whose regression tests pass without them, stop at real conflicts. "
+        "series and patches/ change only when the whole rebase succeeds.",
+        epilog="examples:\n  python apply.py rebase --onto v0.21.0\n"
+        "  python apply.py rebase --continue    # after resolving a conflict\n"
+        "  python apply.py rebase --time-machine v0.20.2..v0.26.0 --dry-run",
+    )
+    g = r.add_mutually_exclusive_group()
+    g.add_argument("--onto", help="the new base (tag, commit, release)")
+    g.add_argument(
+        "--continue",
+        action="store_true",
+        dest="continue",
+        help="go on after resolving a conflict",
+    )
+    g.add_argument(
+        "--skip", action="store_true", help="drop the conflicting patch and go on"
+    )
+    g.add_argument(
+        "--abort",
+        action="store_true",
+        help="stop; series and patches stay as they were",
+    )
+    g.add_argument(
+        "--time-machine",
+        metavar="A..B",
+        help="rebase onto the newest base in A..B where all apply",
+    )
+    r.add_argument(
+        "--dry-run", action="store_true", help="with --time-machine: only find the base"
+    )
+    r.set_defaults(func=cmd_rebase)
+    common(r, "stack", "repo", "python", "offline")
+
+    s = sub.add_parser(
+        "status",
+        formatter_class=fmt,
+        help="patch x base matrix, measured",
+        description="For each base, apply the stack and run the regression "
+        "tests on the unpatched base: clean / 3way / conflict / not-needed per "
+        "patch, every cell measured.",
+        epilog="examples:\n  python apply.py status --bases v0.20.2,v0.21.0\n"
+        "  python apply.py status --releases v0.20.0..v0.33.0 --json m.json",
+    )
+    s.add_argument("--bases", help="comma-separated revisions")
+    s.add_argument("--releases", metavar="A..B", help="every release in A..B")
+    s.add_argument("--json", help="write the matrix here")
+    s.set_defaults(func=cmd_status)
+    common(s, "stack", "repo", "python", "offline")

@@ -1,0 +1,354 @@
+"""The series file, its stacks and records, and the patch files."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import hashlib
+import re
+import shlex
+from pathlib import Path, PurePosixPath
+
+from .core import (
+    RECORDS,
+    SPDX,
+    STACK_KEYS,
+    UPSTREAM_STATUS,
+    UPSTREAM_URL,
+    ZERO_FROM,
+    UserError,
+    git,
+)
+
+
+@dataclasses.dataclass
+class Stack:
+    name: str
+    pins: dict[str, str]
+    patches: list[str]
+    lineno: int
+    not_needed: list[dict[str, str]] = dataclasses.field(default_factory=list)
+    patch_lines: dict[str, int] = dataclasses.field(default_factory=dict)
+
+    file_pins: dict[str, dict[str, str]] = dataclasses.field(default_factory=dict)
+
+    def fetch_hint(self, into: Path) -> str:
+        """The git fetch command(s) that get the stack's base (and the
+        per-patch pins' commits) into a repository."""
+        cmds = []
+        for pins in [self.pins, *self.file_pins.values()]:
+            repo = pins.get("repo", UPSTREAM_URL)
+            what = pins.get("fetch") or pins.get("commit") or pins.get("tag", "")
+            cmd = f"git -C {into} fetch {repo} {what}"
+            if cmd not in cmds:
+                cmds.append(cmd)
+        return " && ".join(cmds)
+
+
+@dataclasses.dataclass
+class Series:
+    path: Path
+    stacks: list[Stack]
+
+    @property
+    def root(self) -> Path:
+        return self.path.parent
+
+    @property
+    def patches_dir(self) -> Path:
+        return self.root / "patches"
+
+    def stack(self, name: str | None) -> Stack:
+        if name is None:
+            return self.stacks[0]
+        for s in self.stacks:
+            if s.name == name:
+                return s
+        names = ", ".join(s.name for s in self.stacks)
+        raise UserError(f"unknown stack '{name}' (the series has: {names})")
+
+    def digest(self, stack: Stack) -> str:
+        h = hashlib.sha256()
+        for p in stack.patches:
+            h.update(p.encode() + b"\0" + (self.patches_dir / p).read_bytes())
+        return h.hexdigest()
+
+
+def parse_series(path: Path, need_patches: bool = True) -> Series:
+    if not path.is_file():
+        raise UserError(f"{path}: series file not found")
+    stacks: list[Stack] = []
+    seen: dict[str, int] = {}
+    for n, raw in enumerate(path.read_text().splitlines(), 1):
+        line = raw.strip()
+        where = f"{path.name}:{n}"
+        if line.startswith("#@"):
+            try:
+                words = shlex.split(line[2:])
+            except ValueError as e:
+                raise UserError(f"{where}: malformed directive: {e}") from None
+            if not words:
+                raise UserError(f"{where}: empty '#@' directive")
+            kind, rest = words[0], words[1:]
+            kv: dict[str, str] = {}
+            for w in rest[1:]:
+                if "=" not in w:
+                    raise UserError(
+                        f"{where}: malformed directive: expected key=value, got '{w}'"
+                    )
+                k, v = w.split("=", 1)
+                kv[k] = v
+            if kind == "stack":
+                if not rest or "=" in rest[0]:
+                    raise UserError(
+                        f"{where}: malformed directive: '#@ stack NAME key=value ...'"
+                    )
+                name = rest[0]
+                if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", name):
+                    raise UserError(f"{where}: bad stack name '{name}'")
+                bad = set(kv) - STACK_KEYS
+                if bad:
+                    raise UserError(
+                        f"{where}: malformed directive: unknown key "
+                        f"'{sorted(bad)[0]}' (known: "
+                        f"{', '.join(sorted(STACK_KEYS))})"
+                    )
+                if not ({"commit", "tag", "branch"} & set(kv)):
+                    raise UserError(
+                        f"{where}: stack '{name}' pins no base "
+                        "(give commit=, tag= or branch=)"
+                    )
+                if "commit" in kv and not re.fullmatch(r"[0-9a-f]{40}", kv["commit"]):
+                    raise UserError(f"{where}: commit= must be 40 hex digits")
+                if any(s.name == name for s in stacks):
+                    raise UserError(f"{where}: stack '{name}' defined twice")
+                stacks.append(Stack(name, kv, [], n))
+            elif kind == "pin":
+                if (
+                    not stacks
+                    or not rest
+                    or "=" in rest[0]
+                    or set(kv) - {"repo", "branch", "commit", "fetch"}
+                ):
+                    raise UserError(
+                        f"{where}: malformed directive: '#@ pin "
+                        "PATCH repo=URL commit=<40 hex> [branch=]'"
+                    )
+                if not re.fullmatch(r"[0-9a-f]{40}", kv.get("commit", "")):
+                    raise UserError(f"{where}: commit= must be 40 hex digits")
+                stacks[-1].file_pins[rest[0]] = kv
+            elif kind in RECORDS:
+                if not stacks or not rest or "=" in rest[0]:
+                    raise UserError(
+                        f"{where}: malformed directive: "
+                        f"'#@ {kind} PATCH base=REV reason=...'"
+                    )
+                rec = {"file": rest[0], "kind": kind, **kv, "_line": str(n)}
+                stacks[-1].not_needed.append(rec)
+            else:
+                raise UserError(f"{where}: unknown directive '#@ {kind}'")
+            continue
+        if not line or line.startswith("#"):
+            continue
+        fields = line.split()
+        entry = fields[0]
+        if any(f not in ("-p1",) for f in fields[1:]):
+            raise UserError(f"{where}: unsupported quilt option in '{line}'")
+        if not stacks:
+            raise UserError(
+                f"{where}: patch '{entry}' comes before any '#@ stack' directive"
+            )
+        if entry in seen:
+            raise UserError(
+                f"{where}: '{entry}' listed twice (first at line {seen[entry]})"
+            )
+        seen[entry] = n
+        check_safe_relpath(entry, f"{where}: series entry")
+        stacks[-1].patches.append(entry)
+        stacks[-1].patch_lines[entry] = n
+    for s in stacks:
+        for f in s.file_pins:
+            if f not in s.patches:
+                raise UserError(
+                    f"{path.name}: '#@ pin {f}': not a patch of stack '{s.name}'"
+                )
+    if not stacks or (need_patches and not any(s.patches for s in stacks)):
+        raise UserError(f"{path}: the series lists no patch")
+    for s in stacks:
+        for p in s.patches:
+            if not (path.parent / "patches" / p).is_file():
+                raise UserError(
+                    f"{path.name}: '{p}' is listed but patches/{p} does not exist"
+                )
+    return Series(path.resolve(), stacks)
+
+
+def check_safe_relpath(p: str, what: str) -> None:
+    pp = PurePosixPath(p)
+    if (
+        pp.is_absolute()
+        or ".." in pp.parts
+        or ".git" in pp.parts
+        or "\\" in p
+        or not pp.parts
+    ):
+        raise UserError(f"{what} '{p}' is not a safe relative path")
+
+
+@dataclasses.dataclass
+class Patch:
+    file: str
+    path: Path
+    subject: str
+    body: str
+    files: list[str]
+    raw: bytes
+
+    @functools.cached_property
+    def trailers(self) -> list[tuple[str, str]]:
+        """(key, value) pairs, as git interpret-trailers parses them (asked
+        for only when needed: applying alone does not read them)."""
+        proc = git(
+            "interpret-trailers",
+            "--parse",
+            "--no-divider",
+            input=self.body.encode(),
+            cwd=self.path.parent,
+        )
+        out = []
+        for line in proc.stdout.decode().splitlines():
+            k, _, v = line.partition(":")
+            out.append((k.strip(), v.strip()))
+        return out
+
+    def values(self, key: str) -> list[str]:
+        return [v for k, v in self.trailers if k.lower() == key.lower()]
+
+    @property
+    def regression(self) -> list[str]:
+        tests = self.values("Tests")
+        return tests[0].split() if tests else []
+
+    @property
+    def tests(self) -> list[str]:
+        out: list[str] = []
+        for t in self.values("Tests"):
+            out += [x for x in t.split() if x not in out]
+        return out
+
+
+DIFF_GIT = re.compile(rb"^diff --git a/(\S+) b/(\S+)$", re.M)
+
+
+def load_patch(series: Series, entry: str) -> Patch:
+    path = series.patches_dir / entry
+    raw = path.read_bytes()
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        raise UserError(f"patches/{entry}: not UTF-8 text") from None
+    head, sep, _ = text.partition("\n---\n")
+    if not raw.startswith(b"From ") or not sep or b"\ndiff --git " not in raw:
+        raise UserError(
+            f"patches/{entry}: not a git format-patch file "
+            "(no mbox header, '---' line or diff)"
+        )
+    m = re.search(r"^Subject: (.*(?:\n [^\n]*)*)$", head, re.M)
+    subject = re.sub(r"\n ", " ", m.group(1)) if m else ""
+    body = head.split("\n\n", 1)[1] if "\n\n" in head else ""
+    files = []
+    for a, b in DIFF_GIT.findall(raw):
+        for f in (a.decode(), b.decode()):
+            if f not in files:
+                files.append(f)
+    for f in files:
+        check_safe_relpath(f, f"patches/{entry}: touches")
+    if b"\nGIT binary patch\n" in raw or re.search(rb"^Binary files ", raw, re.M):
+        raise UserError(f"patches/{entry}: binary diff (patches must be text)")
+    return Patch(entry, path, subject, body, files, raw)
+
+
+def lint_patch(series: Series, p: Patch) -> list[str]:
+    """Problems with one patch's headers and content, as messages."""
+    probs = []
+    where = f"patches/{p.file}"
+    if not p.raw.startswith(ZERO_FROM):
+        probs.append(
+            f"{where}: not exported with --zero-commit (use 'apply.py format-patch')"
+        )
+    if re.search(rb"^index [0-9a-f]{7,39}\.\.", p.raw, re.M) and not re.search(
+        rb"^index [0-9a-f]{40}\.\.[0-9a-f]{40}", p.raw, re.M
+    ):
+        probs.append(f"{where}: index lines are abbreviated (use --full-index)")
+    if re.search(rb"\n-- \n[0-9][^\n]*\n*\Z", p.raw):
+        probs.append(f"{where}: ends with a git version signature")
+    if not p.subject or not re.match(r"^\[[^\]]+\]", p.subject):
+        probs.append(
+            f"{where}: subject needs a component prefix like "
+            "'[Attention][TurboQuant] ...'"
+        )
+    if not p.values("Bug"):
+        probs.append(f"{where}: no 'Bug:' trailer")
+    for b in p.values("Bug"):
+        if not re.match(r"^https?://\S+$", b):
+            probs.append(f"{where}: 'Bug: {b}' is not a URL")
+    st = p.values("Upstream-Status")
+    if len(st) != 1:
+        probs.append(f"{where}: needs exactly one 'Upstream-Status:' trailer")
+    elif not UPSTREAM_STATUS.match(st[0]):
+        probs.append(
+            f"{where}: invalid 'Upstream-Status: {st[0]}' (Pending | "
+            "Submitted [URL] | Backport [ref] | Inappropriate [reason])"
+        )
+    if not p.values("Tests"):
+        probs.append(f"{where}: no 'Tests:' trailer")
+    for t in p.tests:
+        f = t.split("::", 1)[0]
+        try:
+            check_safe_relpath(f, "test")
+        except UserError:
+            probs.append(f"{where}: test '{t}' is not a path in this project")
+            continue
+        if not (series.root / f).is_file():
+            probs.append(f"{where}: test file '{f}' does not exist")
+    if not p.values("Signed-off-by"):
+        probs.append(f"{where}: no 'Signed-off-by:' trailer")
+    probs += lint_new_python_files(p)
+    return probs
+
+
+def lint_new_python_files(p: Patch) -> list[str]:
+    probs = []
+    for block in re.split(rb"(?m)^(?=diff --git )", p.raw):
+        m = DIFF_GIT.match(block)
+        if not m or b"\nnew file mode " not in block.split(b"\n@@", 1)[0]:
+            continue
+        name = m.group(2).decode()
+        if not name.endswith(".py"):
+            continue
+        added = [
+            ln[1:].decode()
+            for ln in block.split(b"\n")
+            if ln.startswith(b"+") and not ln.startswith(b"+++")
+        ]
+        if tuple(added[:2]) != SPDX and added:
+            probs.append(
+                f"patches/{p.file}: new file {name} lacks vLLM's SPDX header lines"
+            )
+    return probs
+
+
+def check_agreement(series: Series) -> None:
+    """Every patch file is in the series (or recorded there), and vice versa."""
+    listed = {p for s in series.stacks for p in s.patches}
+    recorded = {r["file"] for s in series.stacks for r in s.not_needed}
+    on_disk = {
+        p.relative_to(series.patches_dir).as_posix()
+        for p in series.patches_dir.rglob("*.patch")
+    }
+    for extra in sorted(on_disk - listed - recorded):
+        raise UserError(
+            f"patches/{extra} is not in the series (list it, or remove the file)"
+        )
+    for gone in sorted(recorded - on_disk):
+        raise UserError(f"series: record for missing patches/{gone}")
