@@ -571,28 +571,29 @@ def cmd_status(args: argparse.Namespace) -> int:
                 cell = "not-needed"
             col["cells"][p.file] = {"apply": cell, "regression_base": reg}
         columns.append(col)
-    rows = [["patch"] + [c["base"] for c in columns]]
-    for p in patches:
-        row = [p.file]
-        for c in columns:
+    # one row per base (releases grow downwards), one column per patch; a
+    # cell is the apply outcome and, after '/', the regression tests' outcome
+    # on the unpatched base
+    short = {p.file: p.file.split("-", 1)[0] for p in patches}
+    rows = [["base", "upstream"] + [short[p.file] for p in patches]]
+    for c in columns:
+        row = [c["base"], (c.get("upstream_commit") or "")[:9]]
+        for p in patches:
             if "unavailable" in c:
                 row.append("unavailable")
                 continue
             cell = c["cells"][p.file]
-            mark = (
-                "*"
-                if cell["apply"] in ("clean", "3way")
-                and cell["regression_base"] == "pass"
-                else ""
-            )
-            row.append(cell["apply"] + mark)
+            row.append(f"{cell['apply']}/{cell['regression_base']}")
         rows.append(row)
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     for i, r in enumerate(rows):
-        print("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=False)).rstrip())
+        print("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip())
         if i == 0:
             print("  ".join("-" * w for w in widths))
-    print("* applies, but its regression tests already pass on that base")
+    print("cell: apply outcome / regression tests on the unpatched base (fail: the")
+    print("bug is there; pass: it is not; error: the tests could not run there)")
+    for p in patches:
+        print(f"  {short[p.file]}: {p.file}")
     report = {
         "stack": stack.name,
         "date": time.strftime("%Y-%m-%d"),
