@@ -169,8 +169,9 @@ def env(vllm_tree: Path) -> Iterator[SimpleNamespace]:
     import vllm.platforms as platforms
 
     with pytest.MonkeyPatch.context() as mp:
-        # An uninstalled tree detects no platform (see conftest.py).
-        if HAS_CUDA:
+        # An uninstalled tree detects no platform (see conftest.py); a source
+        # tree lacks the compiled extensions CudaPlatform needs.
+        if HAS_CUDA and any((vllm_tree / "vllm").glob("_C.*so")):
             from vllm.platforms.cuda import CudaPlatform as Platform
         else:
             from vllm.platforms.cpu import CpuPlatform as Platform  # type: ignore

@@ -537,7 +537,9 @@ def use_attention_path(
         monkeypatch.setattr(tq_module, "_HAS_FLASH_ATTN", False)
         return None
     fake = None
-    if not HAS_CUDA:
+    if not HAS_CUDA or not tq_module.is_flash_attn_varlen_func_available():
+        # No vLLM flash-attn: a CPU box, or a GPU running a source tree (its
+        # flash-attn is a compiled extension).
         fake = FakeFlashAttn()
         monkeypatch.setattr(tq_module, "flash_attn_varlen_func", fake, raising=False)
     monkeypatch.setattr(tq_module, "_HAS_FLASH_ATTN", True)

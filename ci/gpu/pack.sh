@@ -1,0 +1,99 @@
+#!/usr/bin/env bash
+# Build the vLLM source trees the GPU run (ci/gpu/run.sh) needs, as
+# .gpu/<name>.tar.gz (each holds vllm/ only; no compiled extensions), plus
+# .gpu/MANIFEST naming what each was made from. Run here, before the `run`
+# tool's call that names .gpu and .whl in `carry`.
+#
+#   tq-base      v0.20.2 release sources (the tq stack's pin)
+#   v0.21.0      v0.21.0 release sources (workspace-manager full-dequant path)
+#   tq-0001      v0.20.2 + tq/0001 only (VLLM_BASE_TREE of tq/0002's tests)
+#   tq-patched   v0.20.2 + the tq patches of ./series, applied with git apply
+#                (the current files: refs/heads/patched/tq/v0.20.2 can lag)
+#   tq-fix       tq-patched + ci/gpu/proposed/*.diff (proposals, not in the
+#                series; only with PACK_FIX=1)
+#   dsv4-base    the assembled dsv4 base (tag `base` of $DSV4_REPO)
+#   dsv4-patched dsv4-base + the dsv4 patches of ./series
+#
+# Env: VLLM_PATCHES_CACHE (default ~/.cache/vllm-patches), DSV4_REPO
+# (default /tmp/h6/vllm, made by ci/assemble-dsv4-base.py). A tree whose
+# source is missing is left out with a note (run.sh parts that need it fail).
+# With --extract DIR the trees are also unpacked to DIR/<name>/ (CPU checks).
+# PACK_ONLY="tq-fix v0.21.0" keeps only those archives in .gpu/ (a smaller
+# carry for a follow-up run; the carry limit is 64 MiB with .whl).
+set -euo pipefail
+here=$(cd "$(dirname "$0")" && pwd)
+root=$(cd "$here/../.." && pwd)
+cache=${VLLM_PATCHES_CACHE:-$HOME/.cache/vllm-patches}/vllm.git
+dsv4=${DSV4_REPO:-/tmp/h6/vllm}
+extract=""
+[ "${1:-}" = "--extract" ] && extract=$(realpath -m "$2")
+out=$root/.gpu
+mkdir -p "$out"
+work=$(mktemp -d)
+trap 'rm -rf "$work"' EXIT
+rm -f "$out"/*.tar.gz
+: > "$out/MANIFEST"
+
+pack() {  # name dir-holding-vllm
+  tar -C "$2" --sort=name --owner=0 --group=0 --numeric-owner --mtime=@0 \
+    --exclude=__pycache__ -czf "$out/$1.tar.gz" vllm
+  echo "$1.tar.gz $(du -k "$out/$1.tar.gz" | cut -f1) KiB: $3" | tee -a "$out/MANIFEST"
+  if [ -n "$extract" ]; then
+    rm -rf "${extract:?}/$1"; mkdir -p "$extract/$1"; cp -a "$2/vllm" "$extract/$1/"
+  fi
+}
+export_ref() {  # git-dir ref dest
+  mkdir -p "$3"; git --git-dir "$1" archive "$2" vllm | tar -x -C "$3"
+}
+apply_stack() {  # stack dest
+  local p
+  for p in $(grep -E "^$1/" "$root/series"); do
+    (cd "$2" && git apply -p1 "$root/patches/$p") || { echo "pack.sh: $p does not apply" >&2; exit 2; }
+    echo "  + $p sha256=$(sha256sum "$root/patches/$p" | cut -c1-16)" >> "$out/MANIFEST"
+  done
+}
+
+if [ -d "$cache" ]; then
+  for ref in v0.20.2 v0.21.0; do
+    export_ref "$cache" "$ref" "$work/$ref"
+  done
+  pack tq-base "$work/v0.20.2" "$cache tag v0.20.2 $(git --git-dir "$cache" rev-parse v0.20.2)"
+  pack v0.21.0 "$work/v0.21.0" "$cache tag v0.21.0 $(git --git-dir "$cache" rev-parse v0.21.0)"
+  # v0.20.2 + tq/0001 alone: the tree below tq/0002, for its bit-exact
+  # equivalence test (VLLM_BASE_TREE).
+  export_ref "$cache" v0.20.2 "$work/tq-0001"
+  p1=$(grep -m1 -E '^tq/' "$root/series")
+  (cd "$work/tq-0001" && git apply -p1 "$root/patches/$p1")
+  pack tq-0001 "$work/tq-0001" "v0.20.2 + $p1 (git apply)"
+  export_ref "$cache" v0.20.2 "$work/tq-patched"
+  apply_stack tq "$work/tq-patched"
+  pack tq-patched "$work/tq-patched" "v0.20.2 + series tq patches (git apply)"
+  # Proposed changes (ci/gpu/proposed/*.diff, not in the series) on top of
+  # the patched tree, for run.sh's `fix` part; only with PACK_FIX=1.
+  if [ "${PACK_FIX:-0}" = 1 ] && ls "$here"/proposed/*.diff >/dev/null 2>&1; then
+    cp -a "$work/tq-patched" "$work/tq-fix"
+    for d in "$here"/proposed/*.diff; do
+      (cd "$work/tq-fix" && git apply -p1 "$d")
+      echo "  + proposed $(basename "$d") sha256=$(sha256sum "$d" | cut -c1-16)" >> "$out/MANIFEST"
+    done
+    pack tq-fix "$work/tq-fix" "tq-patched + ci/gpu/proposed/*.diff (not in the series)"
+  fi
+else
+  echo "pack.sh: no $cache (run apply.py once to fill it); tq trees left out" | tee -a "$out/MANIFEST"
+fi
+
+if git -C "$dsv4" rev-parse -q --verify base >/dev/null 2>&1; then
+  export_ref "$dsv4/.git" base "$work/dsv4-base"
+  pack dsv4-base "$work/dsv4-base" "$dsv4 tag base $(git -C "$dsv4" rev-parse base)"
+  export_ref "$dsv4/.git" base "$work/dsv4-patched"
+  apply_stack dsv4 "$work/dsv4-patched"
+  pack dsv4-patched "$work/dsv4-patched" "dsv4 base + series dsv4 patches (git apply)"
+else
+  echo "pack.sh: no dsv4 base at $dsv4 (ci/assemble-dsv4-base.py); dsv4 trees left out" | tee -a "$out/MANIFEST"
+fi
+if [ -n "${PACK_ONLY:-}" ]; then
+  for f in "$out"/*.tar.gz; do
+    case " $PACK_ONLY " in *" $(basename "$f" .tar.gz) "*) ;; *) rm -f "$f";; esac
+  done
+fi
+du -ch "$out"/*.tar.gz | tail -1

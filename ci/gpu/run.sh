@@ -1,0 +1,110 @@
+#!/usr/bin/env bash
+# The one command of a GPU run (the device tool's `run`, from the repository
+# root, with .gpu and .whl carried; build them here with ci/gpu/pack.sh):
+#
+#   bash ci/gpu/run.sh [PARTS] [DEADLINE_S]
+#
+# PARTS: comma list of cudagraph (issue 4), bench (issue 3), tests (targeted
+# tests on CUDA), fix (a proposed change, ci/gpu/proposed/, benchmarked
+# against (b) and tested); default the first three. DEADLINE_S (default
+# 570): every part gets what is left of it, so the summary is always written. Results go to $OUT
+# (tq_cudagraph.json, tq_continuation_bench.json, tests.json, tables.md,
+# logs.tar.gz, run.log); the summary tables are printed last.
+set -u
+here=$(cd "$(dirname "$0")" && pwd)
+root=$(cd "$here/../.." && pwd)
+cd "$root"
+parts=${1:-cudagraph,bench,tests}
+deadline=$(( $(date +%s) + ${2:-570} ))
+OUT=${OUT:-/tmp/gpu-out}
+W=/tmp/gpuwork
+T=/tmp/trees
+mkdir -p "$OUT" "$W" "$T"
+exec > >(tee -a "$OUT/run.log") 2>&1
+export PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
+export VLLM_LOGGING_LEVEL=${VLLM_LOGGING_LEVEL:-WARNING}
+PY=${PY:-python3}
+left() { echo $(( deadline - $(date +%s) - ${1:-0} )); }
+# run NAME CAP CMD...: with a timeout of min(CAP, time left - 25 s)
+run() {
+  local name=$1 cap=$2; shift 2
+  local t; t=$(left 25); [ "$t" -gt "$cap" ] && t=$cap
+  if [ "$t" -lt 15 ]; then echo "== $name: not run (deadline)"; echo "$name" >> "$W/not_run"; return; fi
+  echo "== $name (timeout ${t}s): $*"
+  local s=$(date +%s)
+  timeout -k 5 "$t" "$@" > "$W/$name.log" 2>&1
+  local rc=$?
+  echo "== $name: rc=$rc in $(( $(date +%s) - s ))s"
+  [ $rc -ne 0 ] && tail -n 15 "$W/$name.log"
+  echo "$name $rc $(( $(date +%s) - s ))" >> "$W/rc"
+  return 0
+}
+
+echo "== $(date -u +%FT%TZ) $(nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null)"
+# Import-time dependencies of vLLM that the image lacks (wheels in .whl).
+$PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+  --target /tmp/site .whl/*.whl || exit 2
+export PYTHONPATH=/tmp/site
+for f in .gpu/*.tar.gz; do
+  n=$(basename "$f" .tar.gz); mkdir -p "$T/$n"; tar -xzf "$f" -C "$T/$n"
+done
+cp .gpu/MANIFEST "$W/" 2>/dev/null
+ls "$T"
+
+has() { case ",$parts," in *",$1,"*) return 0;; esac; return 1; }
+# pt NAME TREE PYTEST-ARGS...: the targeted tests against one tree.
+# VLLM_BASE_TREE (tq/0002's bit-exact test): the tree below tq/0002.
+# PYTHONPATH: vLLM inspects model classes in a subprocess, which must import
+# the same tree.
+pt() { local name=$1 tree=$2; shift 2
+  run $name 240 env VLLM_TREE=$T/$tree VLLM_BASE_TREE=${BASE_TREE-$T/tq-0001} \
+    PYTHONPATH=$T/$tree:/tmp/site $PY -m pytest -q \
+    -p no:cacheprovider -o addopts= --junitxml=$W/junit_$name.xml -rfE "$@"; }
+
+if has cudagraph; then
+  run cg_base 150 $PY ci/gpu/tq_cudagraph.py --tree $T/tq-base --label base \
+    --out $W/cg_base.json --samples $W/cg_samples_base.pt
+  run cg_patched 150 $PY ci/gpu/tq_cudagraph.py --tree $T/tq-patched --label patched \
+    --out $W/cg_patched.json --samples $W/cg_samples_patched.pt
+fi
+if has bench; then
+  for v in c:tq-patched b:v0.21.0 a:tq-base; do
+    run bench_${v%%:*} 150 $PY ci/gpu/tq_continuation_bench.py --tree $T/${v#*:} \
+      --variant ${v%%:*} --out $W/bench_${v%%:*}.json --samples $W/samples_${v%%:*}.pt
+  done
+fi
+if has tests; then
+  pt tq_patched tq-patched tests/patches/test_tq_workspace.py \
+    tests/patches/test_tq_host_metadata.py tests/patches/test_tq_hybrid.py
+  # Each tq patch's regression tests (the first Tests: line) on the base.
+  reg=$(for p in $(grep -E '^tq/' series); do
+          grep -m1 '^Tests:' "patches/$p" | cut -d' ' -f2-; done)
+  pt tq_base_regression tq-base $reg
+  pt dsv4_patched dsv4-patched tests/patches/test_dsv4_aiter_scratch.py \
+    tests/patches/test_dsv4_compressor_rope.py
+  pt dsv4_base dsv4-base tests/patches/test_dsv4_aiter_scratch.py \
+    tests/patches/test_dsv4_compressor_rope.py
+fi
+
+if has fix; then
+  # A proposed change (ci/gpu/proposed/, tree tq-fix from pack.sh) against
+  # (b) in the same run, on the device as it is (no vLLM flash-attn), and
+  # the tq/0001 + tq/0002 tests on it (without the bit-exact test, whose
+  # reference tree lacks the change).
+  if [ -d $T/tq-fix ]; then
+    run bench_f 150 $PY ci/gpu/tq_continuation_bench.py --tree $T/tq-fix \
+      --variant c --modes sdpa --out $W/bench_f.json --samples $W/samples_f.pt
+    [ -f $W/bench_b.json ] || run bench_b 150 $PY ci/gpu/tq_continuation_bench.py \
+      --tree $T/v0.21.0 --variant b --modes sdpa --out $W/bench_b.json --samples $W/samples_b.pt
+    run cg_fix 120 $PY ci/gpu/tq_cudagraph.py --tree $T/tq-fix --label fix \
+      --modes sdpa --out $W/cg_fix.json
+    BASE_TREE= pt tq_fix tq-fix tests/patches/test_tq_workspace.py \
+      tests/patches/test_tq_host_metadata.py
+  else
+    echo "== fix: no .gpu/tq-fix.tar.gz (pack.sh builds it from ci/gpu/proposed/)"
+  fi
+fi
+
+$PY ci/gpu/summarize.py --work "$W" --out "$OUT" > "$W/summary.log" 2>&1 || tail -n 30 "$W/summary.log"
+tar -C "$W" -czf "$OUT/logs.tar.gz" --exclude='*.pt' . 2>/dev/null
+cat "$OUT/tables.md" 2>/dev/null

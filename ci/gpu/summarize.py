@@ -1,0 +1,431 @@
+"""Collect what ci/gpu/run.sh left in its work folder into the result JSONs
+and markdown tables (printed, and written to OUT/tables.md).
+
+    python ci/gpu/summarize.py --work /tmp/gpuwork --out $OUT
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+MiB = 2**20
+
+
+def load(p: Path):
+    try:
+        return json.loads(p.read_text())
+    except Exception:
+        return None
+
+
+def load_pt(p: Path):
+    try:
+        import torch
+
+        return torch.load(p)
+    except Exception:
+        return None
+
+
+def rel(a, b) -> float | None:
+    if a is None or b is None or a.shape != b.shape:
+        return None
+    d = (a.float() - b.float()).norm()
+    return float(d / b.float().norm().clamp_min(1e-30))
+
+
+def fmt(x, nd=2, unit="") -> str:
+    if x is None:
+        return "-"
+    if isinstance(x, float):
+        return f"{x:.{nd}f}{unit}"
+    return f"{x}{unit}"
+
+
+PREV: dict = {}  # --prev: results of an earlier summary (cross-checks)
+
+
+def cudagraph(work: Path, lines: list[str]) -> dict:
+    base, pat = load(work / "cg_base.json"), load(work / "cg_patched.json")
+    res = {"base": base, "patched": pat}
+    if not base and not pat and not (work / "cg_fix.json").exists():
+        lines.append("\n(issue 4: no cudagraph results)\n")
+        return res
+    sb, sp = (
+        load_pt(work / "cg_samples_base.pt"),
+        load_pt(work / "cg_samples_patched.pt"),
+    )
+    fx0 = load(work / "cg_fix.json")
+    dev = (pat or base or fx0)["device"]
+    lines.append(f"\n### Issue 4: CUDA-graph capture, syncs ({dev.get('device')})\n")
+    lines.append(
+        "| mode/scenario | base syncs/step | base sync 'error' | base capture | patched syncs/step | patched sync 'error' | patched capture | replay == eager (max abs diff) | patched vs base eager (rel) |"
+    )
+    lines.append("|---|---|---|---|---|---|---|---|---|")
+    keys = list(
+        ((pat or {}).get("scenarios") or (base or {}).get("scenarios") or {}).keys()
+    )
+    cross = {}
+    for k in keys:
+        b = (base or {}).get("scenarios", {}).get(k, {})
+        p = (pat or {}).get("scenarios", {}).get(k, {})
+        r = rel(sp.get(k) if sp else None, sb.get(k) if sb else None)
+        if r is None:  # samples not kept: the earlier summary's figure
+            r = PREV.get("cg", {}).get("patched_vs_base_eager_rel_err", {}).get(k)
+        cross[k] = r
+
+        def cap(x):
+            if "error" in x:
+                return "error: " + x["error"][:80]
+            if x.get("capture") == "failed":
+                return "FAILS: " + x.get("capture_error", "")[:90]
+            return x.get("capture", x.get("skipped", "-"))
+
+        rp = p.get("replay")
+        rps = (
+            "-"
+            if not rp
+            else ("yes" if rp["ok"] else "NO")
+            + " ("
+            + ", ".join(
+                f"{o['max_abs_diff']:.2g}" + (" bit-exact" if o["bit_exact"] else "")
+                for o in rp["replays"]
+            )
+            + ")"
+        )
+        for x in (b, p):
+            sy = x.get("sync", {})
+            if any("prototype feature" in m for m in sy.get("sync_messages", [])):
+                # the one-time notice of set_sync_debug_mode, not a sync
+                sy["syncs_per_step"] -= 1
+                sy["sync_messages"] = [
+                    m for m in sy["sync_messages"] if "prototype" not in m
+                ]
+        lines.append(
+            f"| {k} | {b.get('sync', {}).get('syncs_per_step', '-')} | {b.get('sync', {}).get('error_mode', '-')[:70]} | {cap(b)} "
+            f"| {p.get('sync', {}).get('syncs_per_step', '-')} | {p.get('sync', {}).get('error_mode', '-')[:70]} | {cap(p)} | {rps} | {fmt(r, 4) if r is not None else '-'} |"
+        )
+    res["patched_vs_base_eager_rel_err"] = cross
+    fx = load(work / "cg_fix.json")
+    if fx:
+        res["fix"] = fx
+        lines.append("\nProposed fallback tree (ci/gpu/proposed/), same checks:\n")
+        lines.append(
+            "| mode/scenario | syncs/step | sync 'error' | capture | replay == eager |"
+        )
+        lines.append("|---|---|---|---|---|")
+        for k, x in fx.get("scenarios", {}).items():
+            rp = x.get("replay") or {}
+            lines.append(
+                f"| {k} | {x.get('sync', {}).get('syncs_per_step', '-')} | {x.get('sync', {}).get('error_mode', '-')[:60]} "
+                f"| {x.get('capture', x.get('error', '-'))[:80]} | {('yes' if rp.get('ok') else 'NO') if rp else '-'} |"
+            )
+        for k, x in fx.get("timing", {}).items():
+            lines.append(
+                f"\nfix {k}: eager wall/step {fmt(x.get('eager_wall_ms_per_step'), 3)} ms, graph replay wall/step {fmt(x.get('graph_wall_ms_per_step'), 3)} ms"
+            )
+    lines.append(
+        "\nPrefill step, batch of 8 continuation requests over 4096 cached tokens each (store + forward), ms:\n"
+    )
+    lines.append(
+        "| mode/batch | base wall/step | patched wall/step | patched/base | base GPU/step | patched GPU/step | patched graph replay wall/step | base syncs/step |"
+    )
+    lines.append("|---|---|---|---|---|---|---|---|")
+    for k in (pat or {}).get("timing") or (base or {}).get("timing") or {}:
+        b = (base or {}).get("timing", {}).get(k, {})
+        p = (pat or {}).get("timing", {}).get(k, {})
+        bw, pw = b.get("eager_wall_ms_per_step"), p.get("eager_wall_ms_per_step")
+        lines.append(
+            f"| {k} | {fmt(bw, 3)} | {fmt(pw, 3)} | {fmt(pw / bw if bw and pw else None, 2)} | {fmt(b.get('eager_gpu_ms_per_step'), 3)} "
+            f"| {fmt(p.get('eager_gpu_ms_per_step'), 3)} | {fmt(p.get('graph_wall_ms_per_step'), 3)} | {b.get('sync', {}).get('syncs_per_step', '-')} |"
+        )
+    return res
+
+
+def bench(work: Path, lines: list[str]) -> dict:
+    v = {x: load(work / f"bench_{x}.json") for x in "abc"}
+    s = {x: load_pt(work / f"samples_{x}.pt") for x in "abc"}
+    res: dict = {"variants": v, "rows": [], "targets": {}}
+    if not any(v.values()):
+        lines.append("\n(issue 3: no bench results)\n")
+        return res
+    anyv = next(x for x in v.values() if x)
+    ceil = anyv["ceilings"]
+    lines.append(
+        f"\n### Issue 3: continuation prefill ({anyv['device'].get('device')})\n"
+    )
+    lines.append(
+        f"Ceilings measured in the run: copy {ceil['copy_bytes_per_s'] / 1e12:.2f} TB/s (read+write), "
+        f"bf16 matmul {ceil['bf16_flops_per_s'] / 1e12:.0f} TFLOP/s. Shapes {anyv['shape']}."
+    )
+    lines.append("\nReserved continuation memory (bytes, MiB):\n")
+    lines.append(
+        "| max_model_len | (a) v0.20.2 per-layer buffers | (b) v0.21.0 + v0.24.0 reservation | (c) patched | (c)/(b) |"
+    )
+    lines.append("|---|---|---|---|---|")
+    rsv = {}
+    mmls = sorted({m for x in v.values() if x for m in x.get("reserved", {})}, key=int)
+    for mml in mmls:
+        a = (v["a"] or {}).get("reserved", {}).get(mml, {}).get("per_layer_bytes")
+        b = (v["b"] or {}).get("reserved", {}).get(mml, {}).get("workspace_bytes")
+        c = (v["c"] or {}).get("reserved", {}).get(mml, {}).get("workspace_bytes")
+        rsv[mml] = {"a_per_layer": a, "b": b, "c": c}
+        lines.append(
+            f"| {mml} | {fmt(a / MiB if a else None, 0)} per layer | {fmt(b / MiB if b else None, 0)} | {fmt(c / MiB if c else None, 0)} | {fmt(c / b if b and c else None, 4)} |"
+        )
+    cr = [rsv[m]["c"] for m in rsv]
+    res["targets"]["reserved_independent_of_max_model_len"] = bool(
+        cr[0] and cr[0] == cr[1]
+    )
+    b128, c128 = rsv[mmls[0]]["b"], rsv[mmls[0]]["c"]
+    res["targets"]["reserved_c_le_b_over_8_at_128K"] = bool(
+        b128 and c128 and c128 <= b128 / 8
+    )
+    res["reserved"] = rsv
+
+    by = {
+        x: {
+            (r["preset"], r["mode"], r["cached"], r["q"]): r
+            for r in (v[x] or {}).get("runs", [])
+        }
+        for x in "abc"
+    }
+    keys = list(dict.fromkeys(k for x in "cba" for k in by[x]))
+    lines.append(
+        "\nTime per call (median, ms), measured/floor, extra peak memory during the call (MiB):\n"
+    )
+    lines.append(
+        "| preset | mode | cached | q | floor ms | (a) ms | (b) ms | (c) ms | (c)/(b) | (a)/floor | (b)/floor | (c)/floor | peak+ a/b/c MiB | rel err c vs b | rel err c vs a |"
+    )
+    lines.append("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    worst: dict = {}
+    for k in keys:
+        rows = {x: by[x].get(k) for x in "abc"}
+        floor = next((r["floor"]["floor_ms"] for r in rows.values() if r), None)
+
+        def t(x):
+            r = rows[x]
+            if not r:
+                return None
+            return r.get("time", {}).get("median_ms")
+
+        def ts(x):
+            r = rows[x]
+            if not r:
+                return "-"
+            if "error" in r:
+                return "OOM" if r["error"].startswith("OOM") else "error"
+            return fmt(t(x), 3)
+
+        ratio = t("c") / t("b") if t("b") and t("c") else None
+        ekey = "/".join(map(str, k))
+        rcb = rel(
+            s["c"].get(ekey) if s["c"] else None, s["b"].get(ekey) if s["b"] else None
+        )
+        rca = rel(
+            s["c"].get(ekey) if s["c"] else None, s["a"].get(ekey) if s["a"] else None
+        )
+        prev = next(
+            (x for x in PREV.get("bench", {}).get("rows", []) if x["key"] == ekey), {}
+        )
+        rcb = rcb if rcb is not None else prev.get("rel_err_c_vs_b")
+        rca = rca if rca is not None else prev.get("rel_err_c_vs_a")
+        peaks = "/".join(
+            fmt(rows[x].get("peak_extra_bytes", 0) / MiB, 0)
+            if rows[x] and "peak_extra_bytes" in rows[x]
+            else "-"
+            for x in "abc"
+        )
+        lines.append(
+            f"| {k[0].replace('turboquant_', '')} | {k[1]} | {k[2]} | {k[3]} | {fmt(floor, 3)} | {ts('a')} | {ts('b')} | {ts('c')} | {fmt(ratio, 2)} "
+            f"| {fmt(t('a') / floor if t('a') and floor else None, 1)} | {fmt(t('b') / floor if t('b') and floor else None, 1)} | {fmt(t('c') / floor if t('c') and floor else None, 1)} "
+            f"| {peaks} | {fmt(rcb, 4) if rcb is not None else '-'} | {fmt(rca, 4) if rca is not None else '-'} |"
+        )
+        res["rows"].append({"key": ekey, "floor_ms": floor, "a_ms": t("a"), "b_ms": t("b"), "c_ms": t("c"),
+                            "c_over_b": ratio, "rel_err_c_vs_b": rcb, "rel_err_c_vs_a": rca})  # fmt: skip
+        if k[2] >= 32768 and ratio is not None:
+            worst[k[1]] = max(worst.get(k[1], 0.0), ratio)
+    for mode, w in worst.items():
+        res["targets"][f"time_c_le_1.10_b_32K_128K_{mode}"] = {
+            "max_ratio": w,
+            "met": w <= 1.10,
+        }
+    lines.append("\nTargets: " + json.dumps(res["targets"]))
+
+    splits = []
+    for x in "bc":
+        for r in (v[x] or {}).get("runs", []):
+            if "split" in r:
+                splits.append((x, r))
+    if splits:
+        lines.append("\nKernel time by category, one call (ms; torch.profiler):\n")
+        lines.append(
+            "| variant | mode | cached | q | dequant | attention | gemm | merge | copy | other |"
+        )
+        lines.append("|---|---|---|---|---|---|---|---|---|---|")
+        for x, r in splits:
+            c = r["split"]["ms_by_category"]
+            lines.append(
+                f"| {x} | {r['mode']} | {r['cached']} | {r['q']} | "
+                + " | ".join(
+                    fmt(c.get(n), 3)
+                    for n in ("dequant", "attention", "gemm", "merge", "copy", "other")
+                )
+                + " |"
+            )
+    f = load(work / "bench_f.json")
+    if f:
+        sf = load_pt(work / "samples_f.pt")
+        byf = {
+            (r["preset"], r["mode"], r["cached"], r["q"]): r for r in f.get("runs", [])
+        }
+        lines.append(
+            "\n(c') proposed fallback (ci/gpu/proposed/) vs (b), same run, mode sdpa (no vLLM flash-attn):\n"
+        )
+        lines.append(
+            "| preset | cached | q | (b) ms | (c) ms | (c') ms | (c')/(b) | (c')/floor | peak+ c' MiB | rel err c' vs b |"
+        )
+        lines.append("|---|---|---|---|---|---|---|---|---|---|")
+        wf = 0.0
+        res["fix"] = {"variant": f, "rows": []}
+        for k, r in byf.items():
+
+            def ms(x):
+                return (x or {}).get("time", {}).get("median_ms")
+
+            tb, tc, tf = ms(by["b"].get(k)), ms(by["c"].get(k)), ms(r)
+            ekey = "/".join(map(str, k))
+            e = rel(sf.get(ekey) if sf else None, s["b"].get(ekey) if s["b"] else None)
+            ratio = tf / tb if tf and tb else None
+            if k[2] >= 32768 and ratio:
+                wf = max(wf, ratio)
+            fl = r["floor"]["floor_ms"]
+            lines.append(
+                f"| {k[0].replace('turboquant_', '')} | {k[2]} | {k[3]} | {fmt(tb, 3)} | {fmt(tc, 3)} | {fmt(tf, 3)} | {fmt(ratio, 2)} "
+                f"| {fmt(tf / fl if tf else None, 1)} | {fmt(r.get('peak_extra_bytes', 0) / MiB, 0)} | {fmt(e, 4) if e is not None else '-'} |"
+            )
+            res["fix"]["rows"].append(
+                {
+                    "key": ekey,
+                    "b_ms": tb,
+                    "c_ms": tc,
+                    "fix_ms": tf,
+                    "fix_over_b": ratio,
+                    "rel_err_fix_vs_b": e,
+                }
+            )
+        res["targets"]["fix_time_le_1.10_b_32K_128K_sdpa"] = {
+            "max_ratio": wf,
+            "met": 0 < wf <= 1.10,
+        }
+        lines.append(
+            "\nFix target: "
+            + json.dumps(res["targets"]["fix_time_le_1.10_b_32K_128K_sdpa"])
+        )
+    c = v["c"] or {}
+    if "shim_check" in c:
+        lines.append(
+            "\nFA2 stand-in vs fp32 math (rel err of out, max abs err of LSE): "
+            + json.dumps(c["shim_check"])
+        )
+    return res
+
+
+def tests(work: Path, lines: list[str]) -> dict:
+    res = {}
+    lines.append("\n### Targeted tests on CUDA\n")
+    lines.append(
+        "| suite (tree) | passed | failed | errors | skipped | seconds | failures |"
+    )
+    lines.append("|---|---|---|---|---|---|---|")
+    rcs = {}
+    if (work / "rc").exists():
+        for ln in (work / "rc").read_text().splitlines():
+            n, rc, s = ln.split()
+            rcs[n] = (int(rc), int(s))
+    for name in (
+        "tq_patched",
+        "tq_base_regression",
+        "dsv4_patched",
+        "dsv4_base",
+        "tq_fix",
+    ):
+        p = work / f"junit_{name}.xml"
+        if not p.exists():
+            status = (
+                "not run"
+                if name not in rcs
+                else f"no junit (rc {rcs[name][0]}, timeout if 124)"
+            )
+            lines.append(f"| {name} | {status} | | | | | |")
+            res[name] = {"status": status}
+            continue
+        root = ET.parse(p).getroot()
+        cases = root.iter("testcase")
+        c = {
+            "passed": 0,
+            "failed": 0,
+            "errors": 0,
+            "skipped": 0,
+            "failures": [],
+            "gpu_marked": [],
+        }
+        for tc in cases:
+            nid = f"{tc.get('classname', '').split('.')[-1]}::{tc.get('name')}"
+            if tc.find("failure") is not None:
+                c["failed"] += 1
+                msg = (tc.find("failure").get("message") or "")[:200]
+                c["failures"].append(f"{nid}: {msg}")
+            elif tc.find("error") is not None:
+                c["errors"] += 1
+                msg = (tc.find("error").get("message") or "")[:200]
+                c["failures"].append(f"{nid}: ERROR {msg}")
+            elif tc.find("skipped") is not None:
+                c["skipped"] += 1
+            else:
+                c["passed"] += 1
+        c["rc"], c["seconds"] = rcs.get(name, (None, None))
+        res[name] = c
+        fl = "<br>".join(
+            x.replace("|", "/").replace("\n", " ")[:160] for x in c["failures"][:8]
+        )
+        lines.append(
+            f"| {name} | {c['passed']} | {c['failed']} | {c['errors']} | {c['skipped']} | {c['seconds']} | {fl} |"
+        )
+    return res
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--work", required=True)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--prev", default="", help="earlier summary's OUT (cross-checks)")
+    args = ap.parse_args()
+    if args.prev:
+        PREV["cg"] = load(Path(args.prev) / "tq_cudagraph.json") or {}
+        PREV["bench"] = load(Path(args.prev) / "tq_continuation_bench.json") or {}
+    work, out = Path(args.work), Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    lines: list[str] = []
+    cg = cudagraph(work, lines)
+    (out / "tq_cudagraph.json").write_text(json.dumps(cg, indent=1, default=str))
+    b = bench(work, lines)
+    (out / "tq_continuation_bench.json").write_text(
+        json.dumps(b, indent=1, default=str)
+    )
+    t = tests(work, lines)
+    nr = (work / "not_run").read_text().split() if (work / "not_run").exists() else []
+    if nr:
+        lines.append(f"\nNot run (deadline): {', '.join(nr)}")
+    (out / "tests.json").write_text(json.dumps({"suites": t, "not_run": nr}, indent=1))
+    text = "\n".join(lines) + "\n"
+    (out / "tables.md").write_text(text)
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
