@@ -99,6 +99,19 @@ def upstream_commit_of(repo: Path, commit: str) -> str | None:
     return m.group(1) if m else None
 
 
+def with_pinned_base(
+    stack: Stack, rev: str | None, user_repo: Path | None, offline: bool
+) -> Base:
+    """resolve_base for `rev`, making sure the stack's pinned base is in the
+    same repository too (built from its wheel if need be): git am's 3-way
+    fallback merges from the blobs the patches were made on, and without
+    them a drifted patch fails outright instead of merging or conflicting."""
+    if rev is not None:
+        with contextlib.suppress(BaseUnavailable):
+            resolve_base(stack, None, user_repo, offline)
+    return resolve_base(stack, rev, user_repo, offline)
+
+
 def resolve_base(
     stack: Stack, rev: str | None, user_repo: Path | None, offline: bool
 ) -> Base:

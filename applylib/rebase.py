@@ -23,6 +23,7 @@ from .bases import (
     find_user_repo,
     ref_label,
     resolve_base,
+    with_pinned_base,
     worktree,
 )
 from .core import (
@@ -35,7 +36,6 @@ from .core import (
     format_patch,
     git,
     gout,
-    rev_commit,
     say,
 )
 from .runner import (
@@ -174,7 +174,7 @@ class Rebase:
         except BaseUnavailable as e:
             raise UserError(f"base {onto} unavailable: {e.reason} ({e.hint})") from None
         wt = worktree(base.repo, f"{stack.name}-rebase", base.commit)
-        old_base, old_head = self.old_stack(stack, base.repo)
+        old_base, old_head = self.old_stack(stack, base.repo, user_repo)
         self.state = {
             "series": str(self.series.path),
             "stack": stack.name,
@@ -192,17 +192,28 @@ class Rebase:
         self.save()
         return self.run()
 
-    def old_stack(self, stack: Stack, repo: Path) -> tuple[str | None, str | None]:
-        """The old stack applied on its old base, for range-diff (if at hand)."""
-        for r in (stack.pins.get("commit"), stack.pins.get("tag")):
-            c = rev_commit(repo, r) if r else None
-            if c:
-                wt = worktree(repo, f"{stack.name}-rebase-old", c)
-                patches = [load_patch(self.series, p) for p in stack.patches]
-                res = {p.file: PatchResult(p.file) for p in patches}
-                if not apply_stack(wt, patches, res):
-                    return c, gout("rev-parse", "HEAD", cwd=wt)
-        return None, None
+    def old_stack(
+        self, stack: Stack, repo: Path, user_repo: Path | None
+    ) -> tuple[str | None, str | None]:
+        """The old stack applied on its old base, for range-diff.
+
+        The old base is obtained like any base (from its release wheel
+        when it is not in the cache yet): besides the range-diff, its blobs
+        are what git am's 3-way fallback needs to show a conflict as
+        conflict markers rather than fail without a merge.
+        """
+        try:
+            old = resolve_base(stack, None, user_repo, self.args.offline)
+        except BaseUnavailable:
+            return None, None
+        if old.repo != repo:
+            return None, None
+        wt = worktree(repo, f"{stack.name}-rebase-old", old.commit)
+        patches = [load_patch(self.series, p) for p in stack.patches]
+        res = {p.file: PatchResult(p.file) for p in patches}
+        if apply_stack(wt, patches, res):
+            return None, None
+        return old.commit, gout("rev-parse", "HEAD", cwd=wt)
 
     def run(self) -> int:
         st = self.state
@@ -223,7 +234,7 @@ class Rebase:
                 outcome = "3way"
             if proc.returncode != 0:
                 out = (proc.stdout + proc.stderr).decode(errors="replace")
-                files = conflicted_files(wt, out)
+                files = conflicted_files(wt, out, p)
                 git("am", "--abort", cwd=wt, check=False)
                 git("reset", "-q", "--hard", pre, cwd=wt)
                 verdict, detail = self.regression_without(p, wt)
@@ -497,7 +508,7 @@ def try_apply(
     key: str,
 ) -> tuple[Base | None, dict[str, PatchResult], str]:
     try:
-        base = resolve_base(stack, rev, user_repo, args.offline)
+        base = with_pinned_base(stack, rev, user_repo, args.offline)
     except BaseUnavailable as e:
         return None, {}, e.reason
     patches = [load_patch(series, p) for p in stack.patches]

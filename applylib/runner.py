@@ -19,7 +19,7 @@ from .bases import (
     find_user_repo,
     locked,
     ref_label,
-    resolve_base,
+    with_pinned_base,
     worktree,
 )
 from .core import AM_CONFIG, PROJECT, REF_NS, UserError, git, git_common_dir, gout, say
@@ -82,17 +82,21 @@ def am(wt: Path, patches: list[Path], three_way: bool) -> subprocess.CompletedPr
     )
 
 
-def conflicted_files(wt: Path, am_output: str) -> list[str]:
+def conflicted_files(wt: Path, am_output: str, patch: Patch) -> list[str]:
+    """Files left unmerged by git am -3, else those git named when it could
+    not even merge (no base blobs: 'sha1 information is lacking'), else the
+    files the patch touches."""
     files = gout("diff", "--name-only", "--diff-filter=U", cwd=wt).splitlines()
     if not files:
         for m in re.finditer(
             r"error: (?:patch failed: |)([^:\s]+)(?::\d+| does not"
-            r" exist in index|: No such file)",
+            r" exist in index|: No such file)|lacking or useless \((\S+)\)",
             am_output,
         ):
-            if m.group(1) not in files:
-                files.append(m.group(1))
-    return files
+            f = m.group(1) or m.group(2)
+            if f not in files:
+                files.append(f)
+    return files or list(patch.files)
 
 
 def apply_stack(
@@ -132,7 +136,7 @@ def apply_stack(
             errors="replace"
         )
         res.apply = "conflict"
-        res.conflict_files = conflicted_files(wt, out)
+        res.conflict_files = conflicted_files(wt, out, stuck)
         res.detail = "; ".join(
             ln for ln in out.splitlines() if ln.startswith("error:")
         )[:500]
@@ -308,7 +312,7 @@ def run_stack(
         "base": rev or stack.pins.get("tag") or stack.pins.get("commit"),
     }
     try:
-        base = resolve_base(stack, rev, user_repo, args.offline)
+        base = with_pinned_base(stack, rev, user_repo, args.offline)
     except BaseUnavailable as e:
         rep.update(
             status="skipped",

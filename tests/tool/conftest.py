@@ -76,6 +76,27 @@ def test_scale_regression():
 '''
 
 
+def real_cache() -> Path:
+    """The tool's default cache, where release wheels are kept."""
+    if os.environ.get("VLLM_PATCHES_CACHE"):
+        return Path(os.environ["VLLM_PATCHES_CACHE"]).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base).expanduser() / "vllm-patches"
+
+
+def isolated_cache(tmp: Path) -> Path:
+    """A cache of the test's own (repository, worktrees, branches) that
+    shares the real cache's downloaded release wheels: the real-release
+    tests build their bases from the wheels, offline once they are there,
+    and never touch the user's patched/<stack> branches or worktrees."""
+    dist = real_cache() / "dist"
+    dist.mkdir(parents=True, exist_ok=True)
+    cache = tmp / "cache"
+    cache.mkdir()
+    (cache / "dist").symlink_to(dist, target_is_directory=True)
+    return cache
+
+
 def git(*args: str, cwd: Path, check: bool = True, **kw) -> str:
     env = dict(os.environ, GIT_AUTHOR_NAME="Up Stream",
                GIT_AUTHOR_EMAIL="up@example.com", GIT_COMMITTER_NAME="Up Stream",

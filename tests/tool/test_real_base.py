@@ -9,7 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from conftest import APPLY, git
+from conftest import APPLY, git, isolated_cache, real_cache
 
 PIN = "bc150f50299199599673614f80d12a196f377655"
 TQ = "vllm/v1/attention/backends/turboquant_attn.py"
@@ -32,13 +32,15 @@ def test_threshold_regression():
 
 
 def run(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
-    env = dict(os.environ, VLLM_PATCHES_OFFLINE="1")
+    env = dict(os.environ, VLLM_PATCHES_OFFLINE="1",
+               VLLM_PATCHES_CACHE=str(cwd / "cache"))
     env.pop("VLLM_REPO", None)
     return subprocess.run([sys.executable, str(APPLY), *args], cwd=cwd, env=env,
                           capture_output=True, text=True, timeout=1800)
 
 
 def test_real_v0_20_2_base_and_fixture_stack(tmp_path: Path) -> None:
+    isolated_cache(tmp_path)  # the base is built here, from the release wheel
     proj = tmp_path / "proj"
     (proj / "tests").mkdir(parents=True)
     (proj / "tests" / "test_threshold.py").write_text(TEST)
@@ -51,6 +53,13 @@ def test_real_v0_20_2_base_and_fixture_stack(tmp_path: Path) -> None:
     rev, commit, repo = p.stdout.split()[:3]
     repo = repo.split("=", 1)[1]
     assert rev == "v0.20.2" and "upstream=bc150f502" in p.stdout
+    assert "source=pypi" in p.stdout
+    # the same release gives the same commit as in the shared cache, if any
+    shared = real_cache() / "vllm.git"
+    if (shared / "HEAD").exists():
+        known = git("rev-parse", "--verify", "-q", "v0.20.2^{commit}", cwd=shared,
+                    check=False)
+        assert known in ("", commit)
     # a patch made on a clone of that base
     work = tmp_path / "work"
     git("clone", "-q", "--no-checkout", repo, str(work), cwd=tmp_path)
