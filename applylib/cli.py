@@ -77,7 +77,7 @@ def parser() -> argparse.ArgumentParser:
         help="run patches' targeted tests against a tree",
         description="Run the targeted tests (Tests: trailers) of "
         "the given patches (default: all) against a vLLM tree.",
-        epilog="example:\n  python apply.py test 0002 --tree ~/src/vllm",
+        epilog="example:\n  python apply.py test tq/0002 --tree ~/src/vllm",
     )
     t.add_argument("patches", nargs="*", help="patch file names or prefixes")
     t.add_argument("--tree", required=True, help="vLLM source tree root")

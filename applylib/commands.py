@@ -28,6 +28,7 @@ from .series import (
     lint_patch,
     load_patch,
     parse_series,
+    pick_patch,
 )
 
 
@@ -152,17 +153,8 @@ def cmd_test(args: argparse.Namespace) -> int:
     tree = Path(args.tree).expanduser().resolve()
     if not (tree / "vllm" / "__init__.py").is_file():
         raise UserError(f"{tree}: not a vLLM tree (no vllm/__init__.py)")
-    entries = [p for s in series.stacks for p in s.patches]
-    chosen = []
-    for want in args.patches or entries:
-        match = [
-            e
-            for e in entries
-            if e == want or Path(e).name == want or Path(e).name.startswith(want)
-        ]
-        if len(match) != 1:
-            raise UserError(f"'{want}': no single patch of the series matches")
-        chosen.append(load_patch(series, match[0]))
+    wanted = args.patches or [p for s in series.stacks for p in s.patches]
+    chosen = [load_patch(series, pick_patch(series, w)[1]) for w in wanted]
     ids: list[str] = []
     for p in chosen:
         ids += [t for t in p.tests if t not in ids]

@@ -43,6 +43,7 @@ from .series import (
     check_safe_relpath,
     load_patch,
     parse_series,
+    pick_patch,
 )
 from .wheelbuild import cmd_wheel
 
@@ -118,22 +119,6 @@ def cpu_platform(vllm_tree: Path, monkeypatch: pytest.MonkeyPatch):
     return plat
 ''',
 }
-
-
-def pick_patch(series: Series, want: str) -> tuple[Stack, str]:
-    found = [
-        (s, e)
-        for s in series.stacks
-        for e in s.patches
-        if e.startswith(want) or Path(e).name.startswith(want)
-    ]
-    if len(found) != 1:
-        what = "no patch" if not found else f"{len(found)} patches"
-        raise UserError(
-            f"'{want}': {what} of the series match (give the file "
-            "name, e.g. tq/0001-....patch, or a unique prefix)"
-        )
-    return found[0]
 
 
 def fixture_names(conftest: Path) -> set[str]:

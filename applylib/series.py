@@ -352,3 +352,21 @@ def check_agreement(series: Series) -> None:
         )
     for gone in sorted(recorded - on_disk):
         raise UserError(f"series: record for missing patches/{gone}")
+
+
+def pick_patch(series: Series, want: str) -> tuple[Stack, str]:
+    """The one patch of the series that `want` names: its entry, or a prefix
+    of its entry (tq/0002) or of its file name (0002-turboquant)."""
+    found = [
+        (s, e)
+        for s in series.stacks
+        for e in s.patches
+        if e.startswith(want) or Path(e).name.startswith(want)
+    ]
+    if len(found) != 1:
+        what = "no patch" if not found else f"{len(found)} patches"
+        raise UserError(
+            f"'{want}': {what} of the series match (give the file "
+            "name, e.g. tq/0001-....patch, or a unique prefix)"
+        )
+    return found[0]

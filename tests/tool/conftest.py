@@ -197,27 +197,33 @@ class Fixture:
         }
 
 
-@pytest.fixture
-def fx(tmp_path: Path) -> Fixture:
-    up = tmp_path / "upstream"
+def make_upstream(up: Path, files: dict[str, str], mod_v11: str) -> Path:
+    """A vLLM-like repository: `files` tagged v1.0.0, vllm/mod.py changed to
+    `mod_v11` tagged v1.1.0, and the user's own state the tool must leave
+    alone: a branch, a local edit, an untracked file and a staged change."""
     up.mkdir()
     git("init", "-q", "-b", "main", cwd=up)
-    (up / "vllm").mkdir()
-    (up / "vllm" / "__init__.py").write_text("")
-    (up / "vllm" / "mod.py").write_text(MOD_V1)
+    for rel, text in files.items():
+        (up / rel).parent.mkdir(parents=True, exist_ok=True)
+        (up / rel).write_text(text)
     git("add", "-A", cwd=up)
     git("commit", "-q", "-m", "v1.0.0", cwd=up)
     git("tag", "v1.0.0", cwd=up)
-    (up / "vllm" / "mod.py").write_text(MOD_V11)
+    (up / "vllm" / "mod.py").write_text(mod_v11)
     git("commit", "-q", "-am", "v1.1.0", cwd=up)
     git("tag", "v1.1.0", cwd=up)
-    # the user's own state: a branch, uncommitted and untracked changes
     git("checkout", "-q", "-b", "mywork", cwd=up)
-    (up / "vllm" / "mod.py").write_text(MOD_V11 + "# my local edit\n")
+    (up / "vllm" / "mod.py").write_text(mod_v11 + "# my local edit\n")
     (up / "notes.txt").write_text("untracked\n")
     (up / "vllm" / "__init__.py").write_text("# staged\n")
     git("add", "vllm/__init__.py", cwd=up)
+    return up
 
+
+@pytest.fixture
+def fx(tmp_path: Path) -> Fixture:
+    up = make_upstream(tmp_path / "upstream",
+                       {"vllm/__init__.py": "", "vllm/mod.py": MOD_V1}, MOD_V11)
     proj = tmp_path / "project"
     (proj / "tests" / "patches").mkdir(parents=True)
     (proj / "tests" / "patches" / "conftest.py").write_text(FIXTURE_CONFTEST)

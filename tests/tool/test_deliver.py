@@ -26,6 +26,7 @@ import zipfile
 from pathlib import Path
 
 import pytest
+import conftest
 from conftest import APPLY, ROOT, Fixture, git
 
 PY = sys.executable
@@ -218,9 +219,6 @@ def make_wheel(tmp: Path, version: str, files: dict[str, bytes],
 
 
 def make_upstream(tmp: Path) -> Path:
-    up = tmp / "upstream"
-    up.mkdir()
-    git("init", "-q", "-b", "main", cwd=up)
     files = {"vllm/__init__.py": "", "vllm/mod.py": MOD,
              "vllm/legacy.py": "OLD = 1\n",
              "vllm/v1/__init__.py": "", "vllm/v1/attention/__init__.py": "",
@@ -228,22 +226,7 @@ def make_upstream(tmp: Path) -> Path:
              "vllm/v1/attention/backends/tq.py": TQ_V1,
              "tests/v1/attention/test_existing.py": "def test_x():\n    pass\n",
              "csrc/kernel.cu": "// kernel\n"}
-    for rel, text in files.items():
-        (up / rel).parent.mkdir(parents=True, exist_ok=True)
-        (up / rel).write_text(text)
-    git("add", "-A", cwd=up)
-    git("commit", "-q", "-m", "v1.0.0", cwd=up)
-    git("tag", "v1.0.0", cwd=up)
-    (up / "vllm" / "mod.py").write_text(MOD_V11)
-    git("commit", "-q", "-am", "v1.1.0", cwd=up)
-    git("tag", "v1.1.0", cwd=up)
-    # the user's own state, which the tool must leave alone
-    git("checkout", "-q", "-b", "mywork", cwd=up)
-    (up / "vllm" / "mod.py").write_text(MOD_V11 + "# my local edit\n")
-    (up / "notes.txt").write_text("untracked\n")
-    (up / "vllm" / "__init__.py").write_text("# staged\n")
-    git("add", "vllm/__init__.py", cwd=up)
-    return up
+    return conftest.make_upstream(tmp / "upstream", files, MOD_V11)
 
 
 def wheel_files(up: Path, rev: str) -> dict[str, bytes]:
@@ -914,7 +897,6 @@ def test_image_recipe_in_venv(real: dict, real_wheel: dict,
 
 
 def test_real_export(real: dict, tmp_path: Path) -> None:
-    tmp = real["tmp"]
     # a user's vLLM repository with v0.20.2 (a clone of the cache's)
     user = tmp_path / "vllm"
     git("clone", "-q", "--no-checkout", "--shared", str(real["cache"] /
