@@ -101,15 +101,20 @@ def upstream_commit_of(repo: Path, commit: str) -> str | None:
 
 def with_pinned_base(
     stack: Stack, rev: str | None, user_repo: Path | None, offline: bool
-) -> Base:
-    """resolve_base for `rev`, making sure the stack's pinned base is in the
-    same repository too (built from its wheel if need be): git am's 3-way
-    fallback merges from the blobs the patches were made on, and without
-    them a drifted patch fails outright instead of merging or conflicting."""
+) -> tuple[Base, Base | None]:
+    """resolve_base for `rev`, and the stack's pinned base when `rev` is
+    another base (obtained into the same repository, from its wheel if need
+    be): git am's 3-way fallback merges from the blobs the patches were made
+    on (runner.preimages), and without them a drifted patch fails outright
+    instead of merging or conflicting."""
+    pinned = None
     if rev is not None:
         with contextlib.suppress(BaseUnavailable):
-            resolve_base(stack, None, user_repo, offline)
-    return resolve_base(stack, rev, user_repo, offline)
+            pinned = resolve_base(stack, None, user_repo, offline)
+    base = resolve_base(stack, rev, user_repo, offline)
+    if pinned is not None and (pinned.repo, pinned.commit) == (base.repo, base.commit):
+        pinned = None
+    return base, pinned
 
 
 def resolve_base(

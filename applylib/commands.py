@@ -19,7 +19,6 @@ from .core import (
     rev_commit,
     say,
 )
-from .runner import aggregate, run_tests, test_python
 from .series import (
     Patch,
     Series,
@@ -30,6 +29,7 @@ from .series import (
     parse_series,
     pick_patch,
 )
+from .testrun import aggregate, run_tests, test_python
 
 
 def cmd_check(args: argparse.Namespace) -> int:
@@ -163,12 +163,17 @@ def cmd_test(args: argparse.Namespace) -> int:
     rows = []
     code = 0
     for p in chosen:
-        r = aggregate([out[t][0] for t in p.tests], False)
+        r = aggregate([out[t] for t in p.tests])
         rows.append(
-            {"file": p.file, "tests": r, "outcomes": {t: out[t][0] for t in p.tests}}
+            {
+                "file": p.file,
+                "tests": r.verdict,
+                "outcomes": {t: out[t].to_json() for t in p.tests},
+            }
         )
-        print(f"  {p.file}: {r}")
-        if r in ("fail", "error"):
+        why = f" ({r.reason})" if r.reason and r.verdict != "pass" else ""
+        print(f"  {p.file}: {r.verdict}{why}")
+        if r.verdict in ("fail", "error"):
             code = 1
     if args.json:
         Path(args.json).write_text(

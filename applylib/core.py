@@ -156,7 +156,7 @@ def rev_commit(repo: Path, rev: str) -> str | None:
     return proc.stdout.decode().strip() or None if proc.returncode == 0 else None
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def git_common_dir(repo: Path) -> Path:
     return Path(
         gout("rev-parse", "--path-format=absolute", "--git-common-dir", cwd=repo)

@@ -34,7 +34,7 @@ from .core import (
     rev_commit,
     say,
 )
-from .runner import PatchResult, apply_stack, run_tests, test_python
+from .runner import PatchResult, apply_stack
 from .series import (
     DIFF_GIT,
     Patch,
@@ -45,6 +45,7 @@ from .series import (
     parse_series,
     pick_patch,
 )
+from .testrun import run_tests, test_python
 from .wheelbuild import cmd_wheel
 
 VLLM_ISSUE = re.compile(r"^https://github\.com/vllm-project/vllm/issues/(\d+)/?$")
@@ -783,7 +784,7 @@ def export_test_result(
     before, _ = run_tests(series.root, before_wt, ids, python, "export, before")
     after_wt = worktree(base.repo, f"{stack.name}-export-after", patched)
     after, _ = run_tests(series.root, after_wt, ids, python, "export, with it")
-    rows = [f"| `{t}` | {before[t][0]} | {after[t][0]} |" for t in ids]
+    rows = [f"| `{t}` | {before[t].verdict} | {after[t].verdict} |" for t in ids]
     return "\n".join(
         [
             "Run by `apply.py export --run-tests` with the series' harness "
@@ -827,6 +828,12 @@ def add_deliver_commands(sub: argparse._SubParsersAction) -> None:
         "else downloaded with pip)",
     )
     w.add_argument("--out", default="dist", help="output directory (default: ./dist)")
+    w.add_argument(
+        "--force",
+        action="store_true",
+        help="ship base + patch even where the wheel's copy of a changed file "
+        "differs from the base tree's",
+    )
     w.set_defaults(func=cmd_wheel)
     common(w, "stack", "repo", "python", "offline", "json")
 

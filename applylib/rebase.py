@@ -27,7 +27,6 @@ from .bases import (
     worktree,
 )
 from .core import (
-    AM_CONFIG,
     PROJECT,
     RECORDS,
     REF_NS,
@@ -40,14 +39,21 @@ from .core import (
 )
 from .runner import (
     PatchResult,
-    aggregate,
     am,
     apply_stack,
+    commits_since,
     conflicted_files,
-    run_tests,
-    test_python,
+    git_am,
+    judge,
+    positions,
+    preimages,
+    ran,
+    run_positions,
+    table,
+    test_plan,
 )
 from .series import Patch, Series, Stack, check_agreement, load_patch, parse_series
+from .testrun import aggregate, run_tests, test_python
 
 
 def stack_directive(name: str, pins: dict[str, str]) -> str:
@@ -226,35 +232,57 @@ class Rebase:
             pre = gout("rev-parse", "HEAD", cwd=wt)
             st["pre_head"] = pre
             self.save()
-            proc = am(wt, [p.path], three_way=False)
-            outcome = "clean"
-            if proc.returncode != 0:
-                git("am", "--abort", cwd=wt, check=False)
-                proc = am(wt, [p.path], three_way=True)
-                outcome = "3way"
-            if proc.returncode != 0:
-                out = (proc.stdout + proc.stderr).decode(errors="replace")
-                files = conflicted_files(wt, out, p)
-                git("am", "--abort", cwd=wt, check=False)
-                git("reset", "-q", "--hard", pre, cwd=wt)
-                verdict, detail = self.regression_without(p, wt)
-                if verdict == "pass":
-                    self.record(
-                        p,
-                        "not-needed",
-                        "does not apply; its regression "
-                        f"tests pass on {st['onto']} without it",
-                    )
-                    continue
+            outcome, out = self.apply(p, wt, pre)
+            if outcome in ("clean", "3way"):
+                self.keep(p, wt, outcome)
+                continue
+            files = conflicted_files(wt, out, p) if outcome == "conflict" else []
+            verdict, detail = self.regression_without(p, wt)
+            if verdict == "pass":
+                why = (
+                    "the base already holds it word for word"
+                    if outcome == "already-applied"
+                    else "does not apply"
+                )
+                self.record(
+                    p,
+                    "not-needed",
+                    f"{why}; its regression tests pass on {st['onto']} without it",
+                )
+                continue
+            if outcome == "conflict":
                 am(wt, [p.path], three_way=True)  # the conflict, for the user
-                st.update(phase="stopped", conflict_files=files, conflict_detail=detail)
-                self.save()
-                self.print_stop(p, files, detail)
-                return 1
-            self.keep(p, wt, outcome)
+            st.update(
+                phase="stopped",
+                conflict_files=files,
+                conflict_detail=detail,
+                verdict=verdict,
+            )
+            self.save()
+            self.print_stop(p, files, verdict, detail)
+            return 1
         return self.finish(stack, patches)
 
+    def apply(self, p: Patch, wt: Path, pre: str) -> tuple[str, str]:
+        """git am one patch: clean, 3way, conflict or already-applied (git
+        am's "No changes": exit 0 and no commit). Every kept patch made
+        exactly one commit; otherwise the worktree is back at `pre`."""
+        out = ""
+        for outcome, three_way in (("clean", False), ("3way", True)):
+            proc = am(wt, [p.path], three_way=three_way)
+            out += (proc.stdout + proc.stderr).decode(errors="replace")
+            made = commits_since(wt, pre)
+            if proc.returncode == 0 and len(made) == 1:
+                return outcome, out
+            git_am(wt, "--abort")
+            git("reset", "-q", "--hard", pre, cwd=wt)
+            if proc.returncode == 0:
+                return "already-applied", out
+        return "conflict", out
+
     def regression_without(self, p: Patch, wt: Path) -> tuple[str, str]:
+        """The patch's regression verdict on the new base (with the patches
+        kept before it), and one line on why."""
         res, _ = run_tests(
             self.series.root,
             wt,
@@ -262,8 +290,11 @@ class Rebase:
             test_python(self.args.python),
             f"{p.file} regression, new base without it",
         )
-        verdict = aggregate([res[t][0] for t in p.regression], True)
-        return verdict, ", ".join(f"{t}: {res[t][0]}" for t in p.regression)
+        o = ran(aggregate([res[t] for t in p.regression]))
+        detail = ", ".join(f"{t}: {res[t].verdict}" for t in p.regression)
+        if o.reason and o.verdict != "pass":
+            detail += f" ({o.reason})"
+        return o.verdict, detail
 
     def keep(self, p: Patch, wt: Path, outcome: str) -> None:
         st = self.state
@@ -281,15 +312,23 @@ class Rebase:
         st["next"] += 1
         self.save()
 
-    def print_stop(self, p: Patch, files: list[str], detail: str) -> None:
+    def print_stop(self, p: Patch, files: list[str], verdict: str, detail: str) -> None:
         wt = self.state["worktree"]
-        print(
-            f"CONFLICT: {p.file} does not apply to {self.state['onto']}, and "
-            f"its regression tests fail there without it ({detail})."
-        )
-        print(f"  conflicting files (in {wt}):")
-        for f in files:
-            print(f"    {f}")
+        onto = self.state["onto"]
+        if verdict == "fail":
+            why = f"its regression tests fail there without it ({detail})"
+        else:
+            why = (
+                f"its regression tests cannot tell whether it is still needed "
+                f"there ({verdict}: {detail})"
+            )
+        if files:
+            print(f"CONFLICT: {p.file} does not apply to {onto}, and {why}.")
+            print(f"  conflicting files (in {wt}):")
+            for f in files:
+                print(f"    {f}")
+        else:
+            print(f"STOPPED: {onto} already holds {p.file}, but {why}.")
         cmd = "python apply.py rebase"
         if self.series.path != (PROJECT / "series").resolve():
             cmd += f" --series {shlex.quote(str(self.series.path))}"
@@ -313,7 +352,7 @@ class Rebase:
         ).exists()
         if how == "abort":
             if in_am:
-                git("am", "--abort", cwd=wt, check=False)
+                git_am(wt, "--abort")
             self.discard()
             print(
                 f"rebase of stack '{st['stack']}' aborted: series and patches unchanged"
@@ -325,14 +364,14 @@ class Rebase:
         p = patches[st["next"]]
         if how == "skip":
             if in_am:
-                git("am", "--abort", cwd=wt, check=False)
+                git_am(wt, "--abort")
             git("reset", "-q", "--hard", st["pre_head"], cwd=wt)
             self.record(
                 p,
                 "dropped",
-                f"skipped by hand during the rebase onto "
-                f"{st['onto']} (did not apply; regression tests failed "
-                "without it)",
+                f"skipped by hand during the rebase onto {st['onto']} "
+                f"(did not apply; regression tests without it: "
+                f"{st.get('verdict', 'fail')})",
             )
             return self.run()
         if in_am:
@@ -343,7 +382,7 @@ class Rebase:
                     f"{' '.join(unmerged.split())} (edit, git add, "
                     "then --continue)"
                 )
-            proc = git("am", "--continue", cwd=wt, check=False, config=AM_CONFIG)
+            proc = git_am(wt, "--continue")
             if proc.returncode != 0:
                 err = (proc.stdout + proc.stderr).decode(errors="replace")
                 last = (err.strip().splitlines() or ["?"])[-1]
@@ -508,10 +547,11 @@ def try_apply(
     key: str,
 ) -> tuple[Base | None, dict[str, PatchResult], str]:
     try:
-        base = with_pinned_base(stack, rev, user_repo, args.offline)
+        base, pinned = with_pinned_base(stack, rev, user_repo, args.offline)
     except BaseUnavailable as e:
         return None, {}, e.reason
     patches = [load_patch(series, p) for p in stack.patches]
+    preimages(stack, patches, base, pinned)
     res = {p.file: PatchResult(p.file) for p in patches}
     wt = worktree(base.repo, f"{stack.name}-{key}", base.commit)
     apply_stack(wt, patches, res)
@@ -548,6 +588,77 @@ def time_machine(
     return None
 
 
+def status_column(
+    series: Series,
+    stack: Stack,
+    rev: str,
+    user_repo: Path | None,
+    args: argparse.Namespace,
+) -> dict:
+    """One base of the matrix: the stack applied, and each patch's
+    regression tests at its own position (the base plus the patches before
+    it that apply there)."""
+    say(f"apply.py status: {stack.name} on {rev}")
+    base, res, why = try_apply(series, stack, rev, user_repo, args, "status")
+    col: dict = {"base": rev, "cells": {}}
+    if base is None:
+        col["unavailable"] = why
+        return col
+    col.update(commit=base.commit, upstream_commit=base.upstream_commit)
+    patches = [load_patch(series, p) for p in stack.patches]
+    commits = positions(base.commit, patches, res)
+    plan = test_plan(patches, res, full=False)
+    outs, _ = run_positions(
+        series,
+        base.repo,
+        f"{stack.name}-status-at",
+        commits,
+        plan,
+        test_python(args.python),
+    )
+    judge(patches, res, outs, full=False)
+    for p in patches:
+        r = res[p.file]
+        cell = {"apply": r.apply, "regression_base": r.regression_base}
+        if r.reasons.get("regression_base"):
+            cell["reason"] = r.reasons["regression_base"]
+        if r.apply in ("clean", "3way") and r.regression_base == "pass":
+            cell["note"] = "applies, but its regression tests pass without it"
+        col["cells"][p.file] = cell
+    return col
+
+
+def print_matrix(patches: list[Patch], columns: list[dict]) -> None:
+    """One row per base (releases grow downwards), one column per patch; a
+    cell is the apply outcome and, after '/', the regression verdict at the
+    patch's position."""
+    short = {p.file: p.file.split("-", 1)[0] for p in patches}
+    rows = [tuple(["base", "upstream"] + [short[p.file] for p in patches])]
+    reasons = []
+    for c in columns:
+        row = [c["base"], (c.get("upstream_commit") or "")[:9]]
+        for p in patches:
+            if "unavailable" in c:
+                row.append("unavailable")
+                continue
+            cell = c["cells"][p.file]
+            mark = "*" if cell.get("note") else ""
+            row.append(f"{cell['apply']}/{cell['regression_base']}{mark}")
+            if cell["regression_base"] in ("error", "skip"):
+                reasons.append(f"  {c['base']} {short[p.file]}: {cell.get('reason')}")
+        rows.append(tuple(row))
+    for line in table(rows):
+        print(line)
+    print("cell: apply outcome / regression verdict without the patch (fail: the")
+    print("bug is there; pass: it is not; error: cannot tell, reason below);")
+    print("*: applies although its regression tests pass without it")
+    for p in patches:
+        print(f"  {short[p.file]}: {p.file}")
+    if reasons:
+        print("cannot tell:")
+        print("\n".join(reasons))
+
+
 def cmd_status(args: argparse.Namespace) -> int:
     series = parse_series(Path(args.series))
     check_agreement(series)
@@ -560,51 +671,8 @@ def cmd_status(args: argparse.Namespace) -> int:
         if args.bases
         else parse_range(args.releases, user_repo, args.offline)
     )
-    patches = [load_patch(series, p) for p in stack.patches]
-    python = test_python(args.python)
-    columns = []
-    for rev in revs:
-        say(f"apply.py status: {stack.name} on {rev}")
-        base, res, why = try_apply(series, stack, rev, user_repo, args, "status")
-        col = {"base": rev, "cells": {}}
-        if base is None:
-            col["unavailable"] = why
-            columns.append(col)
-            continue
-        col.update(commit=base.commit, upstream_commit=base.upstream_commit)
-        base_wt = worktree(base.repo, f"{stack.name}-status-base", base.commit)
-        ids = list(dict.fromkeys(t for p in patches for t in p.regression))
-        out, _ = run_tests(series.root, base_wt, ids, python, f"{rev}, base")
-        for p in patches:
-            reg = aggregate([out[t][0] for t in p.regression], True)
-            cell = res[p.file].apply
-            if cell == "conflict" and reg == "pass":
-                cell = "not-needed"
-            col["cells"][p.file] = {"apply": cell, "regression_base": reg}
-        columns.append(col)
-    # one row per base (releases grow downwards), one column per patch; a
-    # cell is the apply outcome and, after '/', the regression tests' outcome
-    # on the unpatched base
-    short = {p.file: p.file.split("-", 1)[0] for p in patches}
-    rows = [["base", "upstream"] + [short[p.file] for p in patches]]
-    for c in columns:
-        row = [c["base"], (c.get("upstream_commit") or "")[:9]]
-        for p in patches:
-            if "unavailable" in c:
-                row.append("unavailable")
-                continue
-            cell = c["cells"][p.file]
-            row.append(f"{cell['apply']}/{cell['regression_base']}")
-        rows.append(row)
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    for i, r in enumerate(rows):
-        print("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip())
-        if i == 0:
-            print("  ".join("-" * w for w in widths))
-    print("cell: apply outcome / regression tests on the unpatched base (fail: the")
-    print("bug is there; pass: it is not; error: the tests could not run there)")
-    for p in patches:
-        print(f"  {short[p.file]}: {p.file}")
+    columns = [status_column(series, stack, rev, user_repo, args) for rev in revs]
+    print_matrix([load_patch(series, p) for p in stack.patches], columns)
     report = {
         "stack": stack.name,
         "date": time.strftime("%Y-%m-%d"),

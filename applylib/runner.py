@@ -1,4 +1,5 @@
-"""Applying a stack with git am, running targeted tests, the main job."""
+"""Applying a stack with git am, judging each patch at its position in the
+series, and the main job."""
 
 from __future__ import annotations
 
@@ -6,15 +7,13 @@ import argparse
 import dataclasses
 import hashlib
 import json
-import os
 import re
 import subprocess
-import sys
-import tempfile
 import time
 from pathlib import Path
 
 from .bases import (
+    Base,
     BaseUnavailable,
     find_user_repo,
     locked,
@@ -22,8 +21,11 @@ from .bases import (
     with_pinned_base,
     worktree,
 )
-from .core import AM_CONFIG, PROJECT, REF_NS, UserError, git, git_common_dir, gout, say
+from .core import AM_CONFIG, REF_NS, git, git_common_dir, gout, say
 from .series import Patch, Series, Stack, check_agreement, load_patch, parse_series
+from .testrun import Outcome, aggregate, run_tests, test_python
+
+APPLIED = ("clean", "3way")
 
 
 @dataclasses.dataclass
@@ -33,20 +35,27 @@ class PatchResult:
     regression_base: str = "skip"
     regression_patched: str = "skip"
     tests: str = "skip"
+    skipped: int = 0
     seconds: float = 0.0
+    commit: str | None = None  # the patch's commit in the tool's worktree
+    already_applied: bool = False  # git am: "No changes -- already applied"
     conflict_files: list[str] = dataclasses.field(default_factory=list)
     detail: str = ""
-    test_outcomes: dict[str, dict[str, str]] = dataclasses.field(default_factory=dict)
+    reasons: dict[str, str] = dataclasses.field(default_factory=dict)
+    test_outcomes: dict[str, dict[str, dict]] = dataclasses.field(default_factory=dict)
 
     def ok(self) -> bool:
         if self.apply == "not-needed":
             return True
         return (
-            self.apply in ("clean", "3way")
+            self.apply in APPLIED
             and self.regression_base == "fail"
             and self.regression_patched == "pass"
-            and self.tests in ("pass", "skip")
+            and self.tests == "pass"
         )
+
+    def verdicts(self) -> list[str]:
+        return [self.regression_base, self.regression_patched, self.tests]
 
     def to_json(self) -> dict:
         d = {
@@ -57,29 +66,35 @@ class PatchResult:
                 "patched": self.regression_patched,
             },
             "tests": self.tests,
+            "skipped": self.skipped,
             "seconds": round(self.seconds, 2),
         }
-        if self.conflict_files:
-            d["conflict_files"] = self.conflict_files
-        if self.detail:
-            d["detail"] = self.detail
-        if self.test_outcomes:
-            d["test_outcomes"] = self.test_outcomes
+        for k in ("commit", "conflict_files", "detail", "reasons", "test_outcomes"):
+            if getattr(self, k):
+                d[k] = getattr(self, k)
         return d
 
 
+def git_am(wt: Path, *args: str) -> subprocess.CompletedProcess:
+    """git am in the tool's worktree, never with the user's configuration
+    (git am refuses to start, even to --quit or --abort, without an
+    identity: the tool brings its own)."""
+    return git("am", *args, cwd=wt, check=False, config=AM_CONFIG)
+
+
 def am(wt: Path, patches: list[Path], three_way: bool) -> subprocess.CompletedProcess:
-    return git(
-        "am",
+    return git_am(
+        wt,
         "-q",
         "-k",
         "--committer-date-is-author-date",
         "--3way" if three_way else "--no-3way",
         *map(str, patches),
-        cwd=wt,
-        check=False,
-        config=AM_CONFIG,
     )
+
+
+def commits_since(wt: Path, start: str) -> list[str]:
+    return gout("rev-list", "--reverse", f"{start}..HEAD", cwd=wt).split()
 
 
 def conflicted_files(wt: Path, am_output: str, patch: Patch) -> list[str]:
@@ -99,202 +114,210 @@ def conflicted_files(wt: Path, am_output: str, patch: Patch) -> list[str]:
     return files or list(patch.files)
 
 
+def apply_one_3way(wt: Path, p: Patch, res: PatchResult, first_try: str) -> bool:
+    """Retry one patch with the 3-way fallback. True when it made exactly
+    one commit. A patch whose changes the tree already holds ("No changes
+    -- Patch already applied": exit 0, no commit) is marked
+    already_applied; a real conflict leaves the worktree as it was."""
+    pre = gout("rev-parse", "HEAD", cwd=wt)
+    t0 = time.monotonic()
+    proc = am(wt, [p.path], three_way=True)
+    res.seconds += time.monotonic() - t0
+    made = commits_since(wt, pre)
+    if proc.returncode == 0 and len(made) == 1:
+        res.apply, res.commit = "3way", made[0]
+        return True
+    res.apply = "conflict"
+    out = first_try + (proc.stdout + proc.stderr).decode(errors="replace")
+    if proc.returncode == 0:
+        res.already_applied = True
+        res.detail = "git am: no changes, the tree already holds this patch"
+    else:
+        res.conflict_files = conflicted_files(wt, out, p)
+        res.detail = "; ".join(
+            ln for ln in out.splitlines() if ln.startswith("error:")
+        )[:500]
+    git_am(wt, "--abort")
+    git("reset", "-q", "--hard", pre, cwd=wt)
+    return False
+
+
+def preimages(
+    stack: Stack, patches: list[Patch], base: Base, pinned: Base | None
+) -> None:
+    """Put the blobs every patch was made on into the base's repository: the
+    stack applied on its pin, in a worktree of its own. git am's 3-way
+    fallback merges from them; without them its outcome on another base
+    would depend on what earlier runs left in the repository."""
+    if pinned is not None and pinned.repo == base.repo:
+        wt = worktree(base.repo, f"{stack.name}-pin", pinned.commit)
+        apply_stack(wt, patches, {p.file: PatchResult(p.file) for p in patches})
+
+
 def apply_stack(
     wt: Path, patches: list[Patch], results: dict[str, PatchResult]
 ) -> list[Patch]:
-    """git am the patches in order; returns those that stopped on a conflict.
+    """git am the patches in order; returns those that did not apply.
 
     The whole stack goes through one git am, as fast as plain git am. A patch
     that does not apply as is is retried alone with the 3-way fallback.
-    Conflicting patches are left out (their later patches still tried).
+    Patches that do not apply are left out (their later patches still
+    tried). Every applied patch made exactly one commit (results' commit).
     """
     todo = list(patches)
-    conflicts: list[Patch] = []
+    failed: list[Patch] = []
     while todo:
         start = gout("rev-parse", "HEAD", cwd=wt)
         t0 = time.monotonic()
         proc = am(wt, [p.path for p in todo], three_way=False)
-        n = len(gout("rev-list", f"{start}..HEAD", cwd=wt).split())
-        dt = (time.monotonic() - t0) / max(1, n + (proc.returncode != 0))
-        for p in todo[:n]:
-            results[p.file].apply = "clean"
+        made = commits_since(wt, start)
+        dt = (time.monotonic() - t0) / max(1, len(made) + (proc.returncode != 0))
+        for p, c in zip(todo, made, strict=False):
+            results[p.file].apply, results[p.file].commit = "clean", c
             results[p.file].seconds += dt
-        if proc.returncode == 0:
+        if proc.returncode == 0 and len(made) == len(todo):
             break
-        git("am", "--quit", cwd=wt, check=False)
+        git_am(wt, "--quit")
         git("reset", "-q", "--hard", "HEAD", cwd=wt)
-        stuck = todo[n]
-        todo = todo[n + 1 :]
-        t0 = time.monotonic()
-        proc3 = am(wt, [stuck.path], three_way=True)
-        res = results[stuck.file]
-        res.seconds += time.monotonic() - t0
-        if proc3.returncode == 0:
-            res.apply = "3way"
-            continue
-        out = (proc.stdout + proc.stderr + proc3.stdout + proc3.stderr).decode(
-            errors="replace"
+        stuck, todo = todo[len(made)], todo[len(made) + 1 :]
+        first = (proc.stdout + proc.stderr).decode(errors="replace")
+        if not apply_one_3way(wt, stuck, results[stuck.file], first):
+            failed.append(stuck)
+    return failed
+
+
+# --------------------------------------------------------------------------
+# Judging: each patch at its own position in the series
+# --------------------------------------------------------------------------
+
+
+def positions(base_commit: str, patches: list[Patch], results) -> list[str]:
+    """The tree at each position: [base, base+p1, base+p1+p2, ...] (a patch
+    that did not apply leaves the tree as it was)."""
+    commits = [base_commit]
+    for p in patches:
+        commits.append(results[p.file].commit or commits[-1])
+    return commits
+
+
+def test_plan(
+    patches: list[Patch], results: dict[str, PatchResult], full: bool
+) -> dict[int, list[str]]:
+    """Node ids to run at each position. A patch's regression tests run on
+    the tree before it (they must fail there); with `full`, its regression
+    and other targeted tests on the tree with it (they must pass), and its
+    regression tests again on the whole stack (no later patch undoes it)."""
+    plan: dict[int, list[str]] = {}
+
+    def add(j: int, ids: list[str]) -> None:
+        have = plan.setdefault(j, [])
+        have += [t for t in ids if t not in have]
+
+    last = len(patches)
+    for i, p in enumerate(patches):
+        add(i, p.regression)
+        if full and results[p.file].apply in APPLIED:
+            add(i + 1, p.regression + p.tests)
+            if i + 1 != last:
+                add(last, p.regression)
+    return plan
+
+
+def run_positions(
+    series: Series,
+    repo: Path,
+    key: str,
+    commits: list[str],
+    plan: dict[int, list[str]],
+    python: str,
+    top: Path | None = None,
+) -> tuple[dict[int, dict[str, Outcome]], dict[int, str]]:
+    """Run the plan, one pytest run per distinct tree. The tests at a
+    position see the tree just before it as VLLM_BASE_TREE (what an
+    unpatched-vs-patched comparison needs). `top`: a worktree already at
+    the last position."""
+    first = {}
+    for j, c in enumerate(commits):
+        first.setdefault(c, j)
+    trees: dict[int, Path] = {}
+    wanted = {first[commits[j]] for j in plan}
+    wanted |= {first[commits[j - 1]] for j in plan if j > 0}
+    for j in sorted(wanted):
+        if top is not None and commits[j] == commits[-1]:
+            trees[j] = top
+        else:
+            trees[j] = worktree(repo, f"{key}-{j}", commits[j])
+    ids_at: dict[int, list[str]] = {}
+    for j, ids in sorted(plan.items()):
+        have = ids_at.setdefault(first[commits[j]], [])
+        have += [t for t in ids if t not in have]
+    outs: dict[int, dict[str, Outcome]] = {}
+    logs: dict[int, str] = {}
+    for j, ids in ids_at.items():
+        extra = {}
+        if j > 0:
+            extra["VLLM_BASE_TREE"] = str(trees[first[commits[j - 1]]])
+        label = "unpatched base" if j == 0 else f"with {j} patch(es)"
+        outs[j], logs[j] = run_tests(
+            series.root, trees[j], ids, python, f"{key}, {label}", extra
         )
-        res.apply = "conflict"
-        res.conflict_files = conflicted_files(wt, out, stuck)
-        res.detail = "; ".join(
-            ln for ln in out.splitlines() if ln.startswith("error:")
-        )[:500]
-        git("am", "--abort", cwd=wt, check=False)
-        conflicts.append(stuck)
-    return conflicts
+    return {j: outs[first[commits[j]]] for j in plan}, logs
 
 
-def test_python(arg: str | None) -> str:
-    if arg:
-        return arg
-    if os.environ.get("VLLM_PATCHES_PYTHON"):
-        return os.environ["VLLM_PATCHES_PYTHON"]
-    venv = PROJECT / ".venv" / "bin" / "python"
-    return str(venv) if venv.exists() else sys.executable
+def ran(o: Outcome) -> Outcome:
+    """A regression verdict: a pass only if a test actually ran."""
+    if o.verdict == "pass" and o.passed == 0:
+        return Outcome("skip", "did not run here (device-only test)", o.seconds)
+    return o
 
 
-SELECT_PLUGIN = """\
-# Written by apply.py: keep only the requested node ids. Passing node ids to
-# pytest directly would stop the whole run at the first one that cannot be
-# collected (an import error on a base, say); this way that module reports an
-# error and every other test still runs.
-import os
-
-
-def pytest_collection_modifyitems(config, items):
-    want = os.environ["VLLM_PATCHES_SELECT"].split("\\n")
-
-    def keep(nid):
-        return any(nid == w or nid.startswith((w + "::", w + "[")) for w in want)
-
-    gone = [i for i in items if not keep(i.nodeid)]
-    if gone:
-        config.hook.pytest_deselected(items=gone)
-        items[:] = [i for i in items if keep(i.nodeid)]
-"""
-
-
-def run_tests(
-    root: Path, tree: Path, node_ids: list[str], python: str, label: str
-) -> tuple[dict[str, tuple[str, float]], str]:
-    """Run pytest on node ids against a tree; outcome and seconds per id."""
-    if not node_ids:
-        return {}, ""
-    # a missing file would stop pytest before it runs anything: leave it out,
-    # and its node ids come out as errors
-    files = [
-        f
-        for f in dict.fromkeys(n.split("::", 1)[0] for n in node_ids)
-        if (root / f).exists()
-    ]
-    with tempfile.TemporaryDirectory() as tmp:
-        xml = Path(tmp) / "junit.xml"
-        (Path(tmp) / "vllm_patches_select.py").write_text(SELECT_PLUGIN)
-        pypath = os.pathsep.join(
-            x for x in (tmp, os.environ.get("PYTHONPATH", "")) if x
-        )
-        env = dict(
-            os.environ,
-            VLLM_TREE=str(tree),
-            PYTHONUNBUFFERED="1",
-            PYTHONPATH=pypath,
-            VLLM_PATCHES_SELECT="\n".join(node_ids),
-        )
-        cmd = [
-            python,
-            "-m",
-            "pytest",
-            "-q",
-            "-p",
-            "no:cacheprovider",
-            "-p",
-            "vllm_patches_select",
-            f"--rootdir={root}",
-            "-o",
-            "junit_family=xunit1",
-            f"--junitxml={xml}",
-            "--continue-on-collection-errors",
-            *files,
-        ]
-        say(f"apply.py: pytest ({label}): {len(node_ids)} node id(s)")
-        timeout = float(os.environ.get("VLLM_PATCHES_TEST_TIMEOUT", "3600"))
-        try:
-            proc = subprocess.run(
-                cmd, cwd=root, env=env, capture_output=True, text=True, timeout=timeout
+def judge(
+    patches: list[Patch],
+    results: dict[str, PatchResult],
+    outs: dict[int, dict[str, Outcome]],
+    full: bool = True,
+) -> None:
+    """Turn the outcomes per position (test_plan's) into each patch's
+    verdicts; without `full`, the regression verdicts without it only."""
+    last = len(patches)
+    for i, p in enumerate(patches):
+        r = results[p.file]
+        before = ran(aggregate([outs[i][t] for t in p.regression]))
+        r.regression_base = before.verdict
+        r.seconds += before.seconds
+        r.test_outcomes["base"] = {t: outs[i][t].to_json() for t in p.regression}
+        if before.reason and before.verdict != "pass":
+            r.reasons["regression_base"] = before.reason
+        if r.apply == "conflict" and before.verdict == "pass":
+            r.apply = "not-needed"
+            r.detail = (
+                "already in the base, and its regression tests pass there"
+                if r.already_applied
+                else "does not apply, and its regression tests pass without it"
             )
-            output = proc.stdout + proc.stderr
-        except subprocess.TimeoutExpired as e:
-            output = f"pytest timed out after {timeout:.0f} s\n{e.stdout or ''}"
-        except OSError as e:
-            raise UserError(f"cannot run the test Python '{python}': {e}") from None
-        cases = parse_junit(xml) if xml.exists() else []
-    out: dict[str, tuple[str, float]] = {}
-    for nid in node_ids:
-        mine = [(o, s) for cid, o, s in cases if covers(nid, cid)]
-        outs = {o for o, _ in mine}
-        secs = sum(s for _, s in mine)
-        if not outs or "error" in outs:
-            out[nid] = ("error", secs)
-        elif "fail" in outs:
-            out[nid] = ("fail", secs)
-        elif outs == {"skip"}:
-            out[nid] = ("skip", secs)
-        else:
-            out[nid] = ("pass", secs)
-    return out, output
+        if r.apply not in APPLIED or not full:
+            continue
+        own = outs[i + 1]
+        reg = [own[t] for t in p.regression]
+        if i + 1 != last:
+            reg += [outs[last][t] for t in p.regression]
+            r.test_outcomes["stack"] = {
+                t: outs[last][t].to_json() for t in p.regression
+            }
+        after = ran(aggregate(reg))
+        tests = aggregate([own[t] for t in p.tests])
+        r.regression_patched, r.tests = after.verdict, tests.verdict
+        r.skipped = tests.skipped + tests.device_skipped
+        r.seconds += tests.seconds
+        r.test_outcomes["patched"] = {t: own[t].to_json() for t in p.tests}
+        for k, o in (("regression_patched", after), ("tests", tests)):
+            if o.reason and o.verdict != "pass":
+                r.reasons[k] = o.reason
 
 
-def covers(requested: str, case: str) -> bool:
-    if case == requested:
-        return True
-    if case.startswith(requested + "::") or case.startswith(requested + "["):
-        return True
-    # a collection error is reported against the module
-    return "::" not in case and requested.split("::")[0] == case
-
-
-def parse_junit(xml: Path) -> list[tuple[str, str, float]]:
-    """(node id, outcome, seconds) per test case of a pytest xunit1 report."""
-    import xml.etree.ElementTree as ET
-
-    cases = []
-    for tc in ET.parse(xml).getroot().iter("testcase"):
-        f, cls, name = (tc.get(k) or "" for k in ("file", "classname", "name"))
-        if not cls:  # a collection error: the name is the module's dotted path
-            cid = f or name.replace(".", "/") + ".py"
-        else:
-            module = f[:-3].replace("/", ".") if f.endswith(".py") else f
-            klass = cls[len(module) + 1 :] if cls.startswith(module + ".") else ""
-            cid = "::".join(x for x in (f, klass, name) if x)
-        if tc.find("failure") is not None:
-            o = "fail"
-        elif tc.find("error") is not None:
-            o = "error"
-        elif tc.find("skipped") is not None:
-            o = "skip"
-        else:
-            o = "pass"
-        cases.append((cid, o, float(tc.get("time") or 0.0)))
-    return cases
-
-
-def aggregate(outcomes: list[str], want_fail: bool) -> str:
-    """One word for a set of test outcomes.
-
-    Regression tests on the base (want_fail): "fail" only when every one of
-    them fails, "pass" only when every one passes; a mix, or an error, is
-    "error" (the per-test outcomes are in the report). Elsewhere: any error
-    is "error", else any failure "fail", else "pass" ("skip" if all skipped).
-    """
-    s = set(outcomes)
-    if not s or s == {"skip"}:
-        return "skip"
-    if want_fail:
-        return s.pop() if s in ({"fail"}, {"pass"}) else "error"
-    if "error" in s:
-        return "error"
-    return "fail" if "fail" in s else "pass"
+# --------------------------------------------------------------------------
+# The main job
+# --------------------------------------------------------------------------
 
 
 def run_stack(
@@ -312,7 +335,7 @@ def run_stack(
         "base": rev or stack.pins.get("tag") or stack.pins.get("commit"),
     }
     try:
-        base = with_pinned_base(stack, rev, user_repo, args.offline)
+        base, pinned = with_pinned_base(stack, rev, user_repo, args.offline)
     except BaseUnavailable as e:
         rep.update(
             status="skipped",
@@ -329,63 +352,85 @@ def run_stack(
     results = {p.file: PatchResult(p.file) for p in patches}
     label = ref_label(base.rev)
     with locked(hashlib.sha1(str(git_common_dir(base.repo)).encode()).hexdigest()[:10]):
+        preimages(stack, patches, base, pinned)
         wt = worktree(base.repo, f"{stack.name}-patched", base.commit)
-        conflicts = apply_stack(wt, patches, results)
+        apply_stack(wt, patches, results)
         head = gout("rev-parse", "HEAD", cwd=wt)
         branch = f"{REF_NS}/{stack.name}/{label}"
         git("update-ref", branch, head, cwd=base.repo)
         rep.update(branch=branch, head=head, worktree=str(wt))
         if not args.no_tests:
-            base_wt = worktree(base.repo, f"{stack.name}-base", base.commit)
-            python = test_python(args.python)
-            reg_ids: list[str] = []
-            for p in patches:
-                reg_ids += [t for t in p.regression if t not in reg_ids]
-            on_base, log_base = run_tests(
-                series.root, base_wt, reg_ids, python, f"{stack.name}, unpatched base"
+            commits = positions(base.commit, patches, results)
+            plan = test_plan(patches, results, full=True)
+            outs, logs = run_positions(
+                series,
+                base.repo,
+                f"{stack.name}-at",
+                commits,
+                plan,
+                test_python(args.python),
+                top=wt,
             )
-            applied = [p for p in patches if results[p.file].apply in ("clean", "3way")]
-            all_ids: list[str] = []
-            for p in applied:
-                all_ids += [t for t in p.tests if t not in all_ids]
-            on_patched, log_patched = run_tests(
-                series.root, wt, all_ids, python, f"{stack.name}, patched"
-            )
-            for p in patches:
-                r = results[p.file]
-                r.regression_base = aggregate(
-                    [on_base[t][0] for t in p.regression if t in on_base], True
-                )
-                r.seconds += sum(on_base[t][1] for t in p.regression if t in on_base)
-                r.test_outcomes["base"] = {
-                    t: on_base[t][0] for t in p.regression if t in on_base
-                }
-                if p in conflicts and r.regression_base == "pass":
-                    r.apply = "not-needed"
-                    r.detail = (
-                        "does not apply, and its regression tests pass "
-                        "on the unpatched base"
-                    )
-                if r.apply not in ("clean", "3way"):
-                    continue
-                r.regression_patched = aggregate(
-                    [on_patched[t][0] for t in p.regression], False
-                )
-                rest = [t for t in p.tests if t not in p.regression]
-                r.tests = aggregate([on_patched[t][0] for t in p.tests], False)
-                r.seconds += sum(on_patched[t][1] for t in rest)
-                r.seconds += sum(on_patched[t][1] for t in p.regression)
-                r.test_outcomes["patched"] = {t: on_patched[t][0] for t in p.tests}
-            rep["logs"] = {"base": log_base[-20000:], "patched": log_patched[-20000:]}
+            judge(patches, results, outs)
+            rep["logs"] = {str(j): log[-20000:] for j, log in logs.items()}
     rep["status"] = "ran"
     rep["patches"] = [results[p.file].to_json() for p in patches]
     rep["ok"] = (
         all(results[p.file].ok() for p in patches)
         if not args.no_tests
-        else all(results[p.file].apply in ("clean", "3way") for p in patches)
+        else all(results[p.file].apply in APPLIED for p in patches)
+    )
+    rep["errors"] = sum(
+        "error" in results[p.file].verdicts() for p in patches if not args.no_tests
     )
     rep["seconds"] = round(time.monotonic() - t_stack, 2)
     return rep
+
+
+def table(rows: list[tuple[str, ...]]) -> list[str]:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    out = []
+    for i, r in enumerate(rows):
+        cells = (c.ljust(w) for c, w in zip(r, widths, strict=True))
+        out.append("  ".join(cells).rstrip())
+        if i == 0:
+            out.append("  ".join("-" * w for w in widths))
+    return out
+
+
+def print_stack(st: dict) -> None:
+    src = st["source"]
+    up = f", upstream {st['upstream_commit']}" if st.get("upstream_commit") else ""
+    print(
+        f"== stack {st['name']} on {st['base']} ({st['base_commit'][:12]}, "
+        f"from {src}{up})"
+    )
+    rows = [("patch", "apply", "regr. base", "regr. patched", "tests", "skip", "secs")]
+    for p in st["patches"]:
+        rows.append(
+            (
+                p["file"],
+                p["apply"],
+                p["regression"]["base"],
+                p["regression"]["patched"],
+                p["tests"],
+                str(p.get("skipped", 0)),
+                f"{p['seconds']:.1f}",
+            )
+        )
+    for line in table(rows):
+        print("  " + line)
+    for p in st["patches"]:
+        if p.get("conflict_files"):
+            print(f"  {p['file']}: conflicts in {', '.join(p['conflict_files'])}")
+        if p.get("detail") and not p.get("conflict_files"):
+            print(f"  {p['file']}: {p['detail']}")
+        for k, why in p.get("reasons", {}).items():
+            print(f"  {p['file']}: {k.replace('_', ' ')}: {why}")
+    print(
+        f"  result: {'OK' if st['ok'] else 'FAILED'}; patched tree: "
+        f"{st['branch']} in {st['repo']}"
+    )
 
 
 def print_table(report: dict) -> None:
@@ -399,41 +444,7 @@ def print_table(report: dict) -> None:
             print(f"   reason: {st['reason']}")
             print(f"   to get it: {st['fetch']}")
             continue
-        src = st["source"]
-        up = f", upstream {st['upstream_commit']}" if st.get("upstream_commit") else ""
-        print(
-            f"== stack {st['name']} on {st['base']} ({st['base_commit'][:12]}, "
-            f"from {src}{up})"
-        )
-        rows = [("patch", "apply", "regr. base", "regr. patched", "tests", "secs")]
-        for p in st["patches"]:
-            rows.append(
-                (
-                    p["file"],
-                    p["apply"],
-                    p["regression"]["base"],
-                    p["regression"]["patched"],
-                    p["tests"],
-                    f"{p['seconds']:.1f}",
-                )
-            )
-        widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-        for i, r in enumerate(rows):
-            print(
-                "  "
-                + "  ".join(
-                    c.ljust(w) for c, w in zip(r, widths, strict=False)
-                ).rstrip()
-            )
-            if i == 0:
-                print("  " + "  ".join("-" * w for w in widths))
-        for p in st["patches"]:
-            if p.get("conflict_files"):
-                print(f"  {p['file']}: conflicts in {', '.join(p['conflict_files'])}")
-        print(
-            f"  result: {'OK' if st['ok'] else 'FAILED'}; patched tree: "
-            f"{st['branch']} in {st['repo']}"
-        )
+        print_stack(st)
     skipped = [s for s in report["stacks"] if s["status"] == "skipped"]
     if skipped:
         print()
@@ -461,10 +472,10 @@ def cmd_apply(args: argparse.Namespace) -> int:
                 series, st, [loaded[p] for p in st.patches], args.base, user_repo, args
             )
         )
-    ran = [s for s in report["stacks"] if s["status"] == "ran"]
-    failed = [s for s in ran if not s["ok"]]
+    ran_ = [s for s in report["stacks"] if s["status"] == "ran"]
+    failed = [s for s in ran_ if not s["ok"]]
     skipped = [s for s in report["stacks"] if s["status"] == "skipped"]
-    code = 1 if failed or (args.require_all and skipped) or not ran else 0
+    code = 1 if failed or (args.require_all and skipped) or not ran_ else 0
     report["exit_code"] = code
     print_table(report)
     if args.json:

@@ -314,6 +314,49 @@ def lint_patch(series: Series, p: Patch) -> list[str]:
     if not p.values("Signed-off-by"):
         probs.append(f"{where}: no 'Signed-off-by:' trailer")
     probs += lint_new_python_files(p)
+    probs += lint_signatures(series, p)
+    return probs
+
+
+def signed_tests(path: Path) -> dict[str, bool]:
+    """Test functions of a module (and of its classes, as Class::name), and
+    whether each declares a bug signature (@pytest.mark.bug_signature)."""
+    import ast
+
+    out: dict[str, bool] = {}
+
+    def visit(body: list, prefix: str, marked: bool) -> None:
+        for n in body:
+            deco = [ast.unparse(d) for d in getattr(n, "decorator_list", [])]
+            here = marked or any("mark.bug_signature(" in d for d in deco)
+            if isinstance(n, ast.ClassDef):
+                visit(n.body, f"{prefix}{n.name}::", here)
+            elif isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                out[prefix + n.name] = here
+
+    visit(ast.parse(path.read_text()).body, "", False)
+    return out
+
+
+def lint_signatures(series: Series, p: Patch) -> list[str]:
+    """Every regression test declares the bug's signature: without one its
+    failure cannot be told from a broken test."""
+    probs = []
+    for t in p.regression:
+        f, _, name = t.partition("::")
+        path = series.root / f
+        if not path.is_file():
+            continue
+        tests = signed_tests(path)
+        names = [n for n in tests if not name or n == name.split("[")[0]]
+        if not names:
+            probs.append(f"patches/{p.file}: regression test '{t}' not found")
+        for n in names:
+            if n.split("::")[-1].startswith("test") and not tests[n]:
+                probs.append(
+                    f"patches/{p.file}: regression test {f}::{n} declares no "
+                    "bug signature (@pytest.mark.bug_signature(Exc, pattern))"
+                )
     return probs
 
 

@@ -30,12 +30,13 @@ from .core import (
     gout,
     say,
 )
-from .runner import PatchResult, apply_stack, test_python
+from .runner import PatchResult, apply_stack
 from .series import (
     Stack,
     load_patch,
     parse_series,
 )
+from .testrun import test_python
 
 # What a patched wheel cannot carry: the sources of compiled extensions.
 COMPILED_SOURCE = re.compile(
@@ -282,9 +283,16 @@ def cmd_wheel(args: argparse.Namespace) -> int:
                 if not target.is_file():
                     notes.append(f"the official wheel lacks {path} ({status})")
                 elif git_blob_id(target.read_bytes()) != old[path][1]:
+                    if not args.force:
+                        raise UserError(
+                            f"{src.name}'s {path} differs from base "
+                            f"{base.rev}'s: the patch was checked against "
+                            "another file (give the wheel of that base, or "
+                            "--force)"
+                        )
                     notes.append(
                         f"warning: {path} in the official wheel differs "
-                        f"from base {base.rev}'s"
+                        f"from base {base.rev}'s (--force)"
                     )
             if status == "D":
                 target.unlink(missing_ok=True)

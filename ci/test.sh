@@ -1,17 +1,36 @@
 #!/usr/bin/env bash
 # All tests: sets up .venv if needed, lints the series, runs the main job on
-# the real series (every patch's regression test on the unpatched base and on
-# the patched tree; the table is printed, the report kept in build/), then the
-# tool's tests and the checks of that report. Offline once the vLLM release
-# wheels are in the tool's cache (~/.cache/vllm-patches) or pip's reach.
+# the real series (every patch's regression test on the tree before it and
+# with it; the table is printed, the report kept in build/), then the tool's
+# tests and the checks of that report.
+#
+# Hermetic: the tool's cache (bases, worktrees, release wheels) and vLLM's,
+# Triton's and torch.compile's caches start empty under build/ci/ on every
+# run, so nothing in the home directory can change an outcome; only pip's
+# download cache is shared (the release wheels come through pip).
+# VLLM_PATCHES_CI_WARM=1 keeps build/ci/ from the previous run (faster
+# local reruns; not what CI does).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 bash ci/setup.sh || exit 1
-.venv/bin/python apply.py check || exit 1
-mkdir -p build
+ci=$PWD/build/ci
+[ -n "${VLLM_PATCHES_CI_WARM:-}" ] || rm -rf "$ci"
+mkdir -p "$ci"
+export PIP_CACHE_DIR=${PIP_CACHE_DIR:-$HOME/.cache/pip}
+export VLLM_PATCHES_CACHE=$ci/vllm-patches XDG_CACHE_HOME=$ci/xdg
+export VLLM_CACHE_ROOT=$ci/vllm TRITON_CACHE_DIR=$ci/triton
+export TORCHINDUCTOR_CACHE_DIR=$ci/inductor HF_HUB_OFFLINE=1
+# The dsv4 stack's pre-fix files, where they lie beside the project.
+if [ -z "${VLLM_PATCHES_FETCHED:-}" ] && [ -d ../shared/fixtures/dsv4 ]; then
+  export VLLM_PATCHES_FETCHED=$(cd ../shared/fixtures/dsv4 && pwd)
+fi
 .venv/bin/python apply.py --json build/report.json 2>&1 | tee build/report.txt
 main=${PIPESTATUS[0]}
+# after the main job, so the bases are at hand for the export round-trip
+.venv/bin/python apply.py check
+check=$?
 VLLM_PATCHES_REPORT=build/report.json .venv/bin/python -m pytest -q -ra tests "$@"
 tests=$?
-if [ "$main" -ne 0 ]; then echo "ci/test.sh: the main job failed (exit $main)"; fi
-[ "$main" -eq 0 ] && exit $tests || exit 1
+[ "$main" -eq 0 ] || echo "ci/test.sh: the main job failed (exit $main)"
+[ "$check" -eq 0 ] || echo "ci/test.sh: apply.py check failed (exit $check)"
+[ "$main" -eq 0 ] && [ "$check" -eq 0 ] && exit $tests || exit 1

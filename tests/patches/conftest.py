@@ -17,10 +17,12 @@ by editing the tree under test:
   ``CUDA_VISIBLE_DEVICES=""`` and ``TRITON_INTERPRET=1`` are set; with them
   the TurboQuant Triton kernels run in Triton's interpreter on CPU tensors.
   Both are set (unless already set) when torch sees no CUDA device.
-* An uninstalled tree has no package metadata, and vLLM reads its own
-  version from there (platform detection; from v0.23.0 also the Triton
-  check, which otherwise turns Triton off): a minimal ``vllm-<version>``
-  dist-info with the tree's version is put on ``sys.path`` after the tree.
+* The tree must be the only vLLM every process sees, subprocesses
+  included (vLLM inspects model classes in a subprocess), with caches of
+  the run's own: apply.py gives each run that environment
+  (``applylib/testrun.py``: the tree and a minimal package metadata for it
+  lead ``PYTHONPATH``; private vLLM, Triton and torch.compile caches). Run
+  by hand, this conftest sets up the same environment.
 * Platform detection still finds no platform on a CPU-only machine: the
   ``cpu_platform`` fixture installs vLLM's ``CpuPlatform`` for tests that
   need one.
@@ -36,10 +38,7 @@ that collection works without a tree.
 from __future__ import annotations
 
 import atexit
-import contextlib
-import importlib.metadata
 import os
-import re
 import shutil
 import sys
 import tempfile
@@ -57,46 +56,28 @@ if not HAS_CUDA:
 
 
 
-def _tree_version(tree: Path) -> str:
-    """The release version the tree says it is (vllm/_version.py)."""
-    path = tree / "vllm" / "_version.py"
-    text = path.read_text() if path.is_file() else ""
-    m = re.search(r"^__version__ = version = ['\"]([^'\"]+)", text, re.M)
-    return m.group(1) if m else "0.0.0+tree"
+if TREE and not os.environ.get("VLLM_PATCHES_TREE_ENV"):
+    # Run by hand: the environment apply.py gives every run.
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+    from applylib.testrun import tree_env
 
-
-def _package_metadata_for(tree: Path) -> None:
-    """Give the uninstalled tree the package metadata vLLM reads.
-
-    vLLM asks importlib.metadata for its own version: platform detection
-    does, and from v0.23.0 so does vllm/triton_utils/importing.py, which
-    turns Triton off when the lookup fails. A minimal ``vllm-<version>``
-    dist-info (name and version only), in a temporary directory put on
-    sys.path after the tree, answers it as an installed vLLM would.
-    """
-    with contextlib.suppress(importlib.metadata.PackageNotFoundError):
-        importlib.metadata.version("vllm")
-        return  # an installed vLLM answers already (its files are shadowed)
-    meta = Path(tempfile.mkdtemp(prefix="vllm-tree-metadata-"))
-    atexit.register(shutil.rmtree, meta, True)
-    info = meta / f"vllm-{_tree_version(tree)}.dist-info"
-    info.mkdir()
-    (info / "METADATA").write_text(
-        f"Metadata-Version: 2.1\nName: vllm\nVersion: {_tree_version(tree)}\n"
-    )
-    sys.path.insert(1, str(meta))
-
-
-if TREE:
     _tree = Path(TREE).resolve()
     if not (_tree / "vllm" / "__init__.py").is_file():
         raise pytest.UsageError(f"VLLM_TREE={TREE}: no vllm/__init__.py there")
-    sys.path.insert(0, str(_tree))
-    _package_metadata_for(_tree)
+    _scratch = Path(tempfile.mkdtemp(prefix="vllm-tree-"))
+    atexit.register(shutil.rmtree, _scratch, True)
+    os.environ.update(tree_env(_tree, _scratch))
+    sys.path[0:0] = os.environ["PYTHONPATH"].split(os.pathsep)[:2]
 
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "gpu: needs a CUDA GPU; skipped elsewhere")
+    config.addinivalue_line("markers", "cpu_only: CPU by design; skipped on a GPU")
+    config.addinivalue_line(
+        "markers",
+        "bug_signature(exc, pattern): how the bug shows; apply.py counts a "
+        "failure of a regression test as the bug only with it",
+    )
     config.addinivalue_line(
         "markers", "no_tree: needs no vLLM tree; runs without VLLM_TREE too"
     )
@@ -108,6 +89,7 @@ def pytest_collection_modifyitems(
     here = Path(__file__).parent
     no_tree = pytest.mark.skip(reason="VLLM_TREE is not set (see conftest.py)")
     no_gpu = pytest.mark.skip(reason="needs a CUDA GPU")
+    on_gpu = pytest.mark.skip(reason="CPU by design")
     for item in items:
         if here not in Path(item.fspath).parents:
             continue
@@ -115,6 +97,8 @@ def pytest_collection_modifyitems(
             item.add_marker(no_tree)
         elif "gpu" in item.keywords and not HAS_CUDA:
             item.add_marker(no_gpu)
+        elif "cpu_only" in item.keywords and HAS_CUDA:
+            item.add_marker(on_gpu)
 
 
 @pytest.fixture(scope="session")

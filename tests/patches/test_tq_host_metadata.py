@@ -527,6 +527,9 @@ def assert_matches_reference(
 # --------------------------------------------------------------------------
 
 
+@pytest.mark.bug_signature(
+    AssertionError, r"^host read \S+ of a device tensor of the attention metadata"
+)
 @pytest.mark.parametrize("scenario", [*SCENARIOS, "cudagraph_capture"])
 def test_forward_reads_no_device_tensor(env, scenario: str) -> None:
     """Every prefill shape goes through forward() without a host read.

@@ -562,6 +562,15 @@ else:
     REG_MAX_MODEL_LEN, REG_MAX_BATCHED = 512, 256
 
 
+# v0.21.0+: the continuation allocates from the locked workspace.
+LOCKED_WORKSPACE = r"Workspace is locked but allocation from .*_continuation_prefill"
+
+
+@pytest.mark.bug_signature(AssertionError, LOCKED_WORKSPACE)
+@pytest.mark.bug_signature(AssertionError, r"^workspace reallocated")
+@pytest.mark.bug_signature(
+    AssertionError, r"^per-layer buffers (created|reallocated) after lock"
+)
 def test_continuation_prefill_after_workspace_lock(
     tq_env, tiny_model_dir: Path, device: torch.device
 ) -> None:
@@ -680,6 +689,9 @@ def _peak_new_bytes(fn) -> int:
     return Spy.peak
 
 
+@pytest.mark.bug_signature(AssertionError, LOCKED_WORKSPACE)
+@pytest.mark.bug_signature(AssertionError, r"^temporaries grow with the context")
+@pytest.mark.bug_signature(AssertionError, r"^a flash-attn call spans more than")
 @pytest.mark.parametrize("path", ["sdpa", "flash"])
 def test_continuation_temporaries_bounded_by_tile(
     tq_env, tiny_model_dir, device, monkeypatch, path
@@ -716,7 +728,9 @@ def test_continuation_temporaries_bounded_by_tile(
     small, large = peaks.values()
     assert large <= small, f"temporaries grow with the context: {peaks}"
     if fake is not None:
-        assert max(fake.k_lens) <= max(tile, q_len), fake.k_lens
+        assert max(fake.k_lens) <= max(tile, q_len), (
+            f"a flash-attn call spans more than a tile: keys {fake.k_lens}"
+        )
 
 
 # --------------------------------------------------------------------------

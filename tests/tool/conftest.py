@@ -59,9 +59,13 @@ if tree:
 '''
 
 TEST_ADD = '''\
+import pytest
+
+
+@pytest.mark.bug_signature(AssertionError, r"^add is wrong")
 def test_add_regression():
     import vllm.mod as m
-    assert m.add(2, 3) == 5
+    assert m.add(2, 3) == 5, "add is wrong"
 
 
 def test_threshold():
@@ -70,9 +74,13 @@ def test_threshold():
 '''
 
 TEST_SCALE = '''\
+import pytest
+
+
+@pytest.mark.bug_signature(AssertionError, r"^scale is wrong")
 def test_scale_regression():
     import vllm.mod as m
-    assert m.scale(0) == 0 and m.scale(5) in (5,)
+    assert m.scale(0) == 0 and m.scale(5) in (5,), "scale is wrong"
 '''
 
 

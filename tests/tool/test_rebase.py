@@ -214,26 +214,34 @@ def test_status_matrix(rb: Fixture) -> None:
     p = rb.run("status", "--bases", "v1.0.0,v1.0.1,v1.1.0,v1.2.0,v1.3.0",
                "--repo", str(rb.upstream), "--json", str(out))
     assert p.returncode == 0, p.stdout + p.stderr
-    cols = {c["base"]: c["cells"] for c in json.loads(out.read_text())["columns"]}
+    cols = {c["base"]: {f: {k: v for k, v in cell.items()
+                            if k in ("apply", "regression_base")}
+                        for f, cell in c["cells"].items()}
+            for c in json.loads(out.read_text())["columns"]}
+    raw = {c["base"]: c["cells"] for c in json.loads(out.read_text())["columns"]}
     a, s = "fx/0001-fix-add.patch", "fx/0002-fix-scale.patch"
     assert cols["v1.0.0"][a] == {"apply": "clean", "regression_base": "fail"}
     assert cols["v1.0.1"][a]["apply"] == "3way"
     assert cols["v1.1.0"][s] == {"apply": "conflict", "regression_base": "fail"}
     assert cols["v1.2.0"][s] == {"apply": "not-needed", "regression_base": "pass"}
-    # removed code: the fixture's regression test errors (no scale()): conflict
+    # removed code: the fixture's regression test errors (no scale()): it
+    # cannot tell, so the cell stays a conflict and the reason is shown
     assert cols["v1.3.0"][s]["apply"] == "conflict"
+    assert cols["v1.3.0"][s]["regression_base"] == "error"
+    assert "AttributeError" in raw["v1.3.0"][s]["reason"]
+    assert "conflict/error" in p.stdout and "cannot tell:" in p.stdout
     assert "not-needed" in p.stdout and "3way" in p.stdout
     assert rb.snapshot() == user
 
 
 def test_time_machine_finds_newest_base_where_all_apply(rb: Fixture) -> None:
+    before = files(rb)
     p = rb.run("rebase", "--time-machine", "v1.0.0..v1.3.0", "--dry-run",
                "--repo", str(rb.upstream), "--offline")
     assert p.returncode == 0, p.stdout + p.stderr
     assert "newest base where the stack applies: v1.0.5" in p.stdout
     assert "v1.3.0: 1 do not apply" in p.stdout
-    before = files(rb)
-    assert files(rb) == before
+    assert files(rb) == before  # a dry run changes nothing
     p = rb.run("rebase", "--time-machine", "v1.0.0..v1.3.0",
                "--repo", str(rb.upstream), "--offline")
     assert p.returncode == 0, p.stdout + p.stderr
@@ -247,3 +255,36 @@ def test_rebase_bad_inputs(rb: Fixture) -> None:
     assert p.returncode == 2 and "unknown revision" in p.stderr
     p = rb.run("status", "--repo", str(rb.upstream))
     assert p.returncode == 2 and "--bases" in p.stderr
+
+
+def test_error_stops_the_rebase_never_not_needed(rb: Fixture) -> None:
+    """On v1.3.0 scale() is gone: 0002 does not apply, and its regression
+    test (which calls scale) errors there instead of failing with its
+    signature. That says nothing about the bug: the rebase stops."""
+    before = files(rb)
+    p = rb.run("rebase", "--onto", "v1.3.0", "--repo", str(rb.upstream))
+    assert p.returncode == 1, p.stdout + p.stderr
+    assert "cannot tell whether it is still needed" in p.stdout
+    assert "AttributeError" in p.stdout
+    assert "not-needed" not in rb.series.read_text()
+    assert files(rb) == before
+    assert rb.run("rebase", "--abort").returncode == 0
+    assert files(rb) == before
+
+
+def test_already_applied_upstream_is_recorded_not_exported(rb: Fixture) -> None:
+    """A base holding 0002 word for word: git am makes no commit for it;
+    the rebase must not export the previous commit into 0002's file."""
+    tag(rb, "v1.2.1", MOD_V1.replace("return x * 2", "return x * 1"))
+    before = files(rb)
+    p = rb.run("rebase", "--onto", "v1.2.1", "--repo", str(rb.upstream))
+    assert p.returncode == 0, p.stdout + p.stderr
+    series = rb.series.read_text()
+    assert re.search(r"^#@ not-needed fx/0002-fix-scale.patch base=v1.2.1 "
+                     r"reason='the base already holds it word for word", series,
+                     re.M)
+    after = files(rb)
+    assert after["patches/fx/0002-fix-scale.patch"] == \
+        before["patches/fx/0002-fix-scale.patch"]
+    assert body(after["patches/fx/0001-fix-add.patch"]) == \
+        body(before["patches/fx/0001-fix-add.patch"])
