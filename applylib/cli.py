@@ -8,6 +8,7 @@ import os
 from .commands import cmd_base, cmd_check, cmd_format_patch, cmd_test
 from .core import PROJECT, GitError, UserError, common, say
 from .export import add_deliver_commands
+from .mutants import add_mutants_command
 from .rebase import add_rebase_commands
 from .runner import cmd_apply
 
@@ -23,7 +24,7 @@ def parser() -> argparse.ArgumentParser:
         "  python apply.py                      # every stack at its pin\n"
         "  python apply.py --base v0.20.2 --repo ~/src/vllm --json out.json\n"
         "commands: check, test, base, format-patch, rebase, status, wheel,\n"
-        "          export (each has --help with an example)\n"
+        "          export, mutants (each has --help with an example)\n"
         "exit: 0 ok, 1 conflict or test failure, 2 bad input",
     )
     p.add_argument(
@@ -114,6 +115,7 @@ def parser() -> argparse.ArgumentParser:
     common(c, "repo")
     add_rebase_commands(sub)
     add_deliver_commands(sub)
+    add_mutants_command(sub)
     for sp in sub.choices.values():
         common(sp, "series")
     return p

@@ -19,6 +19,7 @@ from .core import (
     rev_commit,
     say,
 )
+from .mutants import lint_mutants
 from .series import (
     Patch,
     Series,
@@ -45,6 +46,7 @@ def cmd_check(args: argparse.Namespace) -> int:
             loaded.append(p)
             checked += 1
         problems += roundtrip(series, st, loaded, find_user_repo(args.repo))
+    problems += lint_mutants(series)
     for pr in problems:
         print(pr)
     if problems:

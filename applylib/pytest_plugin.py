@@ -100,18 +100,22 @@ def signatures(item: pytest.Item) -> list[tuple[tuple[type, ...], str]]:
 
 
 def classify_failure(item: pytest.Item, exc: BaseException) -> dict[str, str]:
-    """The verdict of a test whose body raised `exc`."""
+    """The verdict of a test whose body raised `exc`. ``assertion`` says the
+    test's own check failed (what kills a mutant), whatever the verdict."""
     reason = first_line(exc)
     if isinstance(exc, TestTimeout):
         return {"verdict": "error", "reason": reason}
+    asserted = isinstance(exc, (AssertionError, pytest.fail.Exception))
+    flag = {"assertion": "1"} if asserted else {}
     sigs = signatures(item)
     if sigs:
         for types, pattern in sigs:
             if isinstance(exc, types) and re.search(pattern, str(exc), re.S):
                 return {"verdict": "fail", "reason": reason, "signature": pattern}
-        return {"verdict": "error", "reason": f"not the bug's signature: {reason}"}
-    if isinstance(exc, (AssertionError, pytest.fail.Exception)):
-        return {"verdict": "fail", "reason": reason}
+        why = f"not the bug's signature: {reason}"
+        return {"verdict": "error", "reason": why, **flag}
+    if asserted:
+        return {"verdict": "fail", "reason": reason, **flag}
     return {"verdict": "error", "reason": reason}
 
 

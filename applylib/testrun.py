@@ -40,6 +40,7 @@ class Outcome:
     passed: int = 0
     skipped: int = 0  # skips other than for a device the test is not for
     device_skipped: int = 0
+    asserted: int = 0  # cases whose own checks failed: what kills a mutant
 
     def to_json(self) -> dict:
         d: dict = {"verdict": self.verdict}
@@ -68,6 +69,7 @@ def aggregate(outcomes: list[Outcome]) -> Outcome:
         sum(o.passed for o in outcomes),
         sum(o.skipped for o in outcomes),
         sum(o.device_skipped for o in outcomes),
+        sum(o.asserted for o in outcomes),
     )
 
 
@@ -222,6 +224,7 @@ def case_outcome(tc) -> Outcome:
             return Outcome("error", reason[:300], secs)
         verdict = "skip" if tc.find("skipped") is not None else "pass"
     o = Outcome(verdict, props.get("reason", ""), secs)
+    o.asserted = int(verdict == "fail" or props.get("assertion") == "1")
     if verdict == "pass":
         o.passed = 1
     elif verdict == "skip" and props.get("skip") == "device":

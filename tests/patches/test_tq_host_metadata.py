@@ -601,7 +601,7 @@ def _fake_flash_attn_varlen_func(
     return out
 
 
-@pytest.mark.skipif(HAS_CUDA, reason="CPU stand-in for flash-attn")
+@pytest.mark.cpu_only  # a CPU stand-in for flash-attn
 @pytest.mark.parametrize("scenario", ["first_chunk", "mixed", "large_continuation"])
 def test_forward_flash_attn_paths_read_no_device_tensor(
     env, scenario: str, monkeypatch: pytest.MonkeyPatch
