@@ -177,6 +177,39 @@ def set_wheel_tags(wheel_meta: Path, name: re.Match) -> None:
     wheel_meta.write_text("\n".join(rest) + "\n")
 
 
+def differing_files(
+    src: Path,
+    changes: dict[str, str],
+    old: dict[str, tuple[str, str]],
+    rev: str,
+    force: bool,
+) -> list[str]:
+    """The wheel's copy of every file the series changes must be the base
+    tree's: else the patch was checked against another file. Refused
+    unless `force` (then a warning note)."""
+    import zipfile
+
+    notes = []
+    with zipfile.ZipFile(src) as zf:
+        have = set(zf.namelist())
+        for path, status in sorted(changes.items()):
+            if status not in ("M", "D") or path not in have:
+                continue
+            if git_blob_id(zf.read(path)) == old[path][1]:
+                continue
+            if not force:
+                raise UserError(
+                    f"{src.name}'s {path} differs from base {rev}'s: the patch "
+                    "was checked against another file (give the wheel of that "
+                    "base, or --force)"
+                )
+            notes.append(
+                f"warning: {path} in the official wheel differs from base "
+                f"{rev}'s (--force)"
+            )
+    return notes
+
+
 def cmd_wheel(args: argparse.Namespace) -> int:
     t_start = time.monotonic()
     series = parse_series(Path(args.series))
@@ -251,6 +284,7 @@ def cmd_wheel(args: argparse.Namespace) -> int:
                     f"file (mode {mode}); a wheel cannot carry it"
                 )
             data[path] = git("cat-file", "blob", oid, cwd=wt).stdout
+    notes = differing_files(src, changes, old, base.rev, args.force)
     src_size = src.stat().st_size
     h = hashlib.sha256()
     with src.open("rb") as fh:
@@ -263,7 +297,6 @@ def cmd_wheel(args: argparse.Namespace) -> int:
         f"patch(es), {len(changes)} file(s)) -> {version}"
     )
     timings = {}
-    notes = []
     with tempfile.TemporaryDirectory(dir=out_dir, prefix=".apply-wheel-") as tmp:
         t0 = time.monotonic()
         wheel_step(python, "unpack", "--dest", str(Path(tmp) / "in"), str(src))
@@ -279,21 +312,8 @@ def cmd_wheel(args: argparse.Namespace) -> int:
                 notes.append(f"not in the wheel (not shipped): {path}")
                 continue
             target = root / path
-            if status in ("M", "D"):
-                if not target.is_file():
-                    notes.append(f"the official wheel lacks {path} ({status})")
-                elif git_blob_id(target.read_bytes()) != old[path][1]:
-                    if not args.force:
-                        raise UserError(
-                            f"{src.name}'s {path} differs from base "
-                            f"{base.rev}'s: the patch was checked against "
-                            "another file (give the wheel of that base, or "
-                            "--force)"
-                        )
-                    notes.append(
-                        f"warning: {path} in the official wheel differs "
-                        f"from base {base.rev}'s (--force)"
-                    )
+            if status in ("M", "D") and not target.is_file():
+                notes.append(f"the official wheel lacks {path} ({status})")
             if status == "D":
                 target.unlink(missing_ok=True)
             else:

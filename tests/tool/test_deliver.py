@@ -422,6 +422,27 @@ def test_wheel_refusals(dx: Fixture) -> None:
     assert not (dx.tmp / "o").exists() or not list((dx.tmp / "o").iterdir())
 
 
+def test_wheel_refuses_a_wheel_whose_file_differs_from_the_base(dx: Fixture) -> None:
+    """The wheel's copy of a file the series changes is not the base's: the
+    patch was checked against another file. Refused (exit 2, one line,
+    nothing written) unless --force, which ships base + patch and warns."""
+    files = wheel_files(dx.upstream, "v1.0.0")
+    files["vllm/mod.py"] += b"# a hotfix in the wheel only\n"
+    src = make_wheel(dx.tmp, "1.0.0", files)
+    out = dx.tmp / "o"
+    base = ("wheel", "--repo", str(dx.upstream), "--from-wheel", str(src))
+    p = dx.run(*base, "--out", str(out))
+    assert p.returncode == 2, p.stdout + p.stderr
+    assert len(p.stderr.strip().splitlines()) == 1
+    assert "vllm/mod.py differs from base v1.0.0's" in p.stderr
+    assert "--force" in p.stderr
+    assert not out.exists() or not list(out.glob("*.whl"))
+    p = dx.run(*base, "--out", str(out), "--force")
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert "vllm/mod.py in the official wheel differs from base v1.0.0's" in (
+        p.stdout + p.stderr)
+
+
 def test_wheel_conflict_writes_nothing(dx: Fixture) -> None:
     # 0003 (x * 2 -> x * 1) cannot apply on v1.1.0 (x * 3)
     src = make_wheel(dx.tmp, "1.1.0", wheel_files(dx.upstream, "v1.1.0"))

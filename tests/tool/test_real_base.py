@@ -15,6 +15,8 @@ PIN = "bc150f50299199599673614f80d12a196f377655"
 TQ = "vllm/v1/attention/backends/turboquant_attn.py"
 TEST = '''\
 import ast, os
+
+import pytest
 from pathlib import Path
 
 
@@ -26,8 +28,9 @@ def threshold():
             return node.value.value
 
 
+@pytest.mark.bug_signature(AssertionError, r"^threshold is not 64")
 def test_threshold_regression():
-    assert threshold() == 64
+    assert threshold() == 64, "threshold is not 64"
 '''.format(tq=TQ)
 
 
