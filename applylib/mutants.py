@@ -37,7 +37,7 @@ from .bases import (
 from .core import UserError, common, git, git_common_dir, say
 from .runner import PatchResult, apply_stack, positions, preimages, table
 from .series import Patch, Series, Stack, load_patch, parse_series, pick_patch
-from .testrun import aggregate, run_tests, test_python
+from .testrun import aggregate, covers, run_tests, test_python
 
 
 @dataclasses.dataclass
@@ -92,7 +92,7 @@ def lint_mutants(series: Series) -> list[str]:
                     f"{m.path.relative_to(series.root)}: '{t}' is not in "
                     f"{entry}'s Tests"
                     for t in m.tests
-                    if t not in patch.tests
+                    if not any(covers(pt, t) for pt in patch.tests)
                 ]
         except UserError as e:
             probs.append(str(e))
