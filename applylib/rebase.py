@@ -98,6 +98,37 @@ def rewrite_series(
     return "".join(out)
 
 
+def add_stack(
+    series: Series,
+    stack: Stack,
+    name: str,
+    pins: dict[str, str],
+    entries: list[str],
+    records: list[dict[str, str]],
+) -> str:
+    """The series text with a new stack `name` after `stack`: the same
+    patches carried to a new base (`entries`, under patches/<name>/), and
+    `records` for those that did not come along; `stack` stays as it was."""
+    lines = series.path.read_text().splitlines(keepends=True)
+    last = max(
+        [
+            stack.lineno,
+            *stack.patch_lines.values(),
+            *(int(r.get("_line", 0)) for r in stack.not_needed),
+        ]
+    )
+    block = [
+        "\n",
+        f"# The '{stack.name}' stack carried to {pins.get('tag') or pins.get('commit')}"
+        " by apply.py rebase.\n",
+        stack_directive(name, pins) + "\n",
+        *(e + "\n" for e in entries),
+        *(record_line(r) for r in records),
+    ]
+    out = [ln if ln.endswith("\n") else ln + "\n" for ln in lines]
+    return "".join(out[:last] + block + out[last:])
+
+
 def new_pins(stack: Stack, base: Base) -> dict[str, str]:
     pins = {
         k: v
@@ -194,6 +225,7 @@ class Rebase:
             "staged": {},
             "old_base": old_base,
             "old_head": old_head,
+            "as_stack": getattr(self.args, "as_stack", None),
         }
         self.save()
         return self.run()
@@ -397,12 +429,34 @@ class Rebase:
         self.keep(p, wt, "resolved")
         return self.run()
 
+    def write_patches(
+        self, stack: Stack, pins: dict[str, str], records: list[dict[str, str]]
+    ) -> str:
+        """Put the staged patch files in place; the new series text. With
+        --as NAME they go to patches/NAME/ and a new stack NAME is added,
+        the rebased stack staying as it was."""
+        st = self.state
+        into = st.get("as_stack")
+        entries = []
+        for f, staged in st["staged"].items():
+            dest = f"{into}/{Path(f).name}" if into else f
+            entries.append(dest)
+            path = self.series.patches_dir / dest
+            data = Path(staged).read_bytes()
+            if not path.exists() or data != path.read_bytes():
+                path.parent.mkdir(parents=True, exist_ok=True)
+                atomic_write(path, data)
+        if into:
+            return add_stack(self.series, stack, into, pins, entries, records)
+        return rewrite_series(self.series, stack, pins, records)
+
     def finish(self, stack: Stack, patches: list[Patch]) -> int:
         st = self.state
         base = Base(**(st["base"] | {"repo": Path(st["base"]["repo"])}))
         wt = Path(st["worktree"])
         head = gout("rev-parse", "HEAD", cwd=wt)
-        branch = f"{REF_NS}/{stack.name}/{ref_label(st['onto'])}"
+        name = st.get("as_stack") or stack.name
+        branch = f"{REF_NS}/{name}/{ref_label(st['onto'])}"
         git("update-ref", branch, head, cwd=base.repo)
         records = []
         for r in st["results"]:
@@ -415,14 +469,11 @@ class Rebase:
                         "reason": r["reason"],
                     }
                 )
-        text = rewrite_series(self.series, stack, new_pins(stack, base), records)
-        for f, staged in st["staged"].items():
-            data = Path(staged).read_bytes()
-            if data != (self.series.patches_dir / f).read_bytes():
-                atomic_write(self.series.patches_dir / f, data)
+        text = self.write_patches(stack, new_pins(stack, base), records)
         atomic_write(self.series.path, text.encode())
+        into = f" as new stack '{name}'" if st.get("as_stack") else ""
         print(
-            f"rebased stack '{stack.name}' onto {st['onto']} "
+            f"rebased stack '{stack.name}' onto {st['onto']}{into} "
             f"({base.commit[:12]}): branch {branch}"
         )
         for r in st["results"]:
@@ -467,7 +518,19 @@ def cmd_rebase(args: argparse.Namespace) -> int:
         raise UserError(
             "give --onto REV (or --time-machine A..B, --continue, --skip, --abort)"
         )
+    check_new_stack(series, args.as_stack)
     return rb.start(stack, onto, user_repo)
+
+
+def check_new_stack(series: Series, name: str | None) -> None:
+    if name is None:
+        return
+    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", name):
+        raise UserError(f"--as {name}: not a valid stack name")
+    if any(s.name == name for s in series.stacks):
+        raise UserError(f"--as {name}: the series already has a stack '{name}'")
+    if (series.patches_dir / name).exists():
+        raise UserError(f"--as {name}: patches/{name} already exists")
 
 
 def version_key(v: str) -> tuple[int, ...]:
@@ -719,6 +782,13 @@ def add_rebase_commands(sub: argparse._SubParsersAction) -> None:
         "--time-machine",
         metavar="A..B",
         help="rebase onto the newest base in A..B where all apply",
+    )
+    r.add_argument(
+        "--as",
+        dest="as_stack",
+        metavar="NAME",
+        help="carry the stack into a new stack NAME (patches/NAME/), keeping "
+        "the rebased one for its base",
     )
     r.add_argument(
         "--dry-run", action="store_true", help="with --time-machine: only find the base"

@@ -288,3 +288,32 @@ def test_already_applied_upstream_is_recorded_not_exported(rb: Fixture) -> None:
         before["patches/fx/0002-fix-scale.patch"]
     assert body(after["patches/fx/0001-fix-add.patch"]) == \
         body(before["patches/fx/0001-fix-add.patch"])
+
+
+def test_rebase_into_a_new_stack(rb: Fixture) -> None:
+    """--as NAME carries the stack to the new base as a stack of its own
+    (patches/NAME/), for the users of the old base the old one stays."""
+    before = files(rb)
+    p = rb.run("rebase", "--onto", "v1.2.0", "--as", "fx-next",
+               "--repo", str(rb.upstream))
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert "as new stack 'fx-next'" in p.stdout
+    after = files(rb)
+    for f in ("patches/fx/0001-fix-add.patch", "patches/fx/0002-fix-scale.patch"):
+        assert after[f] == before[f]
+    new = after["patches/fx-next/0001-fix-add.patch"]
+    assert body(new) == body(before["patches/fx/0001-fix-add.patch"])
+    assert "patches/fx-next/0002-fix-scale.patch" not in after
+    series = rb.series.read_text()
+    assert "#@ stack fx repo=https://example.invalid/vllm tag=v1.0.0" in series
+    assert re.search(r"^#@ stack fx-next repo=\S+ tag=v1.2.0 commit=[0-9a-f]{40}$",
+                     series, re.M)
+    assert re.search(r"^#@ not-needed fx/0002-fix-scale.patch base=v1.2.0 ",
+                     series, re.M)
+    assert rb.run("check", "--repo", str(rb.upstream)).returncode == 0
+    for stack in ("fx", "fx-next"):
+        m = rb.run("--repo", str(rb.upstream), "--stack", stack)
+        assert m.returncode == 0, m.stdout + m.stderr
+    again = rb.run("rebase", "--onto", "v1.2.0", "--as", "fx-next",
+                   "--repo", str(rb.upstream))
+    assert again.returncode == 2 and "already has a stack" in again.stderr
