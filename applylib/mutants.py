@@ -182,6 +182,8 @@ def patch_mutants(
     env = {"python": test_python(args.python), "base_tree": str(before)}
     rows = []
     for m in load_mutants(series, stack, p.file):
+        if args.mutant and m.name not in args.mutant:
+            continue
         say(f"apply.py mutants: {p.file}: {m.name}")
         row = run_mutant(series, wt, commits[i + 1], m, m.tests or p.tests, env)
         rows.append({"patch": p.file, **row})
@@ -252,5 +254,11 @@ def add_mutants_command(sub: argparse._SubParsersAction) -> None:
     m.add_argument("patches", nargs="*", help="patch file names or prefixes")
     m.add_argument("--base", default=None, help="base (default: each stack's pin)")
     m.add_argument("--json", help="write the results here")
+    m.add_argument(
+        "--mutant",
+        action="append",
+        metavar="NAME",
+        help="run only this mutant (its file name without .diff; repeatable)",
+    )
     m.set_defaults(func=cmd_mutants)
     common(m, "repo", "python", "offline")
