@@ -1,0 +1,219 @@
+"""The engine scenarios of the GPU campaign: one place that says what each
+scenario runs, read by scenario.py (device), check_configs.py (CPU config
+check), driver.py (job lists) and summarize.py (tables).
+
+A scenario is an engine configuration plus a workload. Every engine runs a
+dummy-weight model from ./models (load_format="dummy", skip_tokenizer_init,
+prompts as token ids). Scheduler dimensions the fixes claim to cover:
+
+  chunked prefill   on: max_num_batched_tokens 4096 (vllm#41726's setting)
+                    off: max_num_batched_tokens = max_model_len
+  prefix caching    on: a prefix-cache hit followed by a long uncached tail
+                    (request A = ctx tokens, then A + 3497 new tokens)
+  spec decoding     ngram, 3 speculative tokens (vllm#40807's trigger: full
+                    CUDA graphs of uniform q_len = 4 batches)
+
+Scenario names:
+  m1..m6   dense Qwen3 tiny, turboquant_4bit_nc, CUDA graphs (defaults):
+           m1 chunked+prefix          (vllm#41726's configuration)
+           m2 prefix only             (prefix hit + 3497-token tail, no chunking)
+           m3 chunked only
+           m4 chunked+prefix+spec     (vllm#40807's configuration)
+           m5 spec only
+           m6 prefix+spec
+  h1, h4   the Qwen3.5-style hybrid, as m1 / m4 (h1 on v0.20.2 unpatched:
+           the hybrid gate; on v0.21..v0.23: vllm#41726's own model family)
+  e_*      the same as a graph scenario, enforce_eager=True (output equality)
+  k_*      turboquant_k8v4 variants; a_* kv_cache_dtype="auto" variants
+  s_*      decode throughput (exclusive GPU): s_graph (CUDA graphs),
+           s_none (compilation_config cudagraph_mode NONE, the workaround of
+           vllm#40807), s_eager (enforce_eager=True), and with ngram spec
+           decoding s_spec_graph / s_spec_none
+  import   smoke check of the staged release (imports, a _C op, FA2)
+  cont_bench  tq_continuation_bench.py's shapes on the release's real
+              flash-attn (exclusive GPU)
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+MODELS = {
+    "dense": HERE / "models" / "qwen3_dense_tiny",
+    "hybrid": HERE / "models" / "qwen35_hybrid_tiny",
+}
+VOCAB_MAX = 4000  # token ids used in prompts: [10, VOCAB_MAX)
+MAX_MODEL_LEN = 36864  # 28672 cached + 3497 tail + decode room
+CHUNK = 4096  # max_num_batched_tokens with chunked prefill (vllm#41726)
+TAIL = 3497  # the uncached tail of vllm#41726 (cached 4096 + q 3497)
+LONG_CTX = (4096, 12288, 28672)  # cached context of the continuation requests
+SPEC = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}
+KV_BYTES = 2 << 30  # kv_cache_memory_bytes where the memory profile is not the point
+# With kv_cache_memory_bytes, vLLM still checks at worker start that
+# total x gpu_memory_utilization is free (v1/worker/utils.py request_memory):
+# the default 0.9 would refuse every job but the first one running at a time.
+KV_GMU = 0.06
+GMU = 0.3  # gpu_memory_utilization where it is (spec + graphs: vllm#40807)
+
+# Workloads (scenario.py implements them):
+#   std   8 short prompts (greedy, 32 tokens, top-5 logprobs), then the long
+#         continuation requests of LONG_CTX, measuring GPU memory after each
+#   speed decode throughput at short prompts, batch 1 and 32
+#   none  start the engine only
+BASE = {
+    "model": "dense",
+    "kv": "turboquant_4bit_nc",
+    "chunked": True,
+    "prefix": True,
+    "spec": False,
+    "graphs": "default",  # default | eager | none
+    "workload": "std",
+    "mp": 0,  # VLLM_ENABLE_V1_MULTIPROCESSING (0: engine core in-process)
+    "timeout": 240,
+    "exclusive": False,
+    "mem": "kv",  # kv: kv_cache_memory_bytes=KV_BYTES; gmu: gpu_memory_utilization=GMU
+}
+
+
+def _s(**kw) -> dict:
+    d = copy.deepcopy(BASE)
+    d.update(kw)
+    return d
+
+
+SCENARIOS: dict[str, dict] = {
+    "m1": _s(doc="chunked+prefix, no spec (vllm#41726 config)"),
+    "m2": _s(chunked=False, doc="prefix only: prefix hit + 3497-token tail"),
+    "m3": _s(prefix=False, doc="chunked only"),
+    "m4": _s(spec=True, mem="gmu", exclusive=True, doc="chunked+prefix+ngram spec (vllm#40807 config)"),
+    "m5": _s(chunked=False, prefix=False, spec=True, doc="spec only"),
+    "m6": _s(chunked=False, spec=True, doc="prefix+spec, no chunking"),
+    "h1": _s(model="hybrid", doc="hybrid, chunked+prefix"),
+    "h4": _s(model="hybrid", spec=True, doc="hybrid, chunked+prefix+spec"),
+    "h0": _s(model="hybrid", workload="none", doc="hybrid, engine start only (the gate)"),
+    # output equality: graphs (m1/h1/k_m1/k_h1) vs eager
+    "e_m1": _s(graphs="eager", doc="m1 eager"),
+    "e_h1": _s(model="hybrid", graphs="eager", doc="h1 eager"),
+    "k_m1": _s(kv="turboquant_k8v4", doc="m1 with turboquant_k8v4"),
+    "k_h1": _s(model="hybrid", kv="turboquant_k8v4", doc="h1 with k8v4"),
+    "ke_m1": _s(kv="turboquant_k8v4", graphs="eager", doc="k_m1 eager"),
+    "ke_h1": _s(model="hybrid", kv="turboquant_k8v4", graphs="eager", doc="k_h1 eager"),
+    # TurboQuant vs auto (bf16 KV) on the same dummy model
+    "a_m1": _s(kv="auto", doc="m1 with kv_cache_dtype auto"),
+    "a_h1": _s(model="hybrid", kv="auto", doc="h1 with kv_cache_dtype auto"),
+    # decode throughput, exclusive
+    "s_graph": _s(workload="speed", prefix=False, mp=1, exclusive=True, timeout=200,
+                  doc="throughput, CUDA graphs"),
+    "s_none": _s(workload="speed", prefix=False, graphs="none", mp=1, exclusive=True,
+                 timeout=200, doc="throughput, cudagraph_mode NONE (workaround)"),
+    "s_eager": _s(workload="speed", prefix=False, graphs="eager", mp=1, exclusive=True,
+                  timeout=200, doc="throughput, enforce_eager (workaround)"),
+    "s_spec_graph": _s(workload="speed", prefix=False, spec=True, mp=1, exclusive=True,
+                       timeout=200, doc="throughput, ngram spec, CUDA graphs"),
+    "s_spec_none": _s(workload="speed", prefix=False, spec=True, graphs="none", mp=1,
+                      exclusive=True, timeout=200,
+                      doc="throughput, ngram spec, cudagraph_mode NONE"),
+    "import": {"kind": "import", "timeout": 120, "exclusive": False,
+               "doc": "imports, _C op, FA2 varlen vs SDPA"},
+    "cont_bench": {"kind": "cont_bench", "timeout": 240, "exclusive": True,
+                   "doc": "continuation prefill kernel benchmark, real FA2"},
+}
+for _n, _d in SCENARIOS.items():
+    _d.setdefault("kind", "engine")
+
+
+def engine_kwargs(name: str, *, model_dir: Path | None = None) -> dict:
+    """EngineArgs / LLM(**kwargs) of an engine scenario."""
+    s = SCENARIOS[name]
+    assert s["kind"] == "engine", name
+    kw: dict = dict(
+        model=str(model_dir or MODELS[s["model"]]),
+        load_format="dummy",
+        skip_tokenizer_init=True,
+        dtype="bfloat16",
+        seed=0,
+        max_model_len=MAX_MODEL_LEN,
+        max_num_seqs=32 if s["workload"] == "speed" else 16,
+        kv_cache_dtype=s["kv"],
+        enable_prefix_caching=s["prefix"],
+        enable_chunked_prefill=s["chunked"],
+        max_num_batched_tokens=CHUNK if s["chunked"] else MAX_MODEL_LEN,
+    )
+    if s["model"] == "hybrid":
+        kw["language_model_only"] = True
+    if s["spec"]:
+        kw["speculative_config"] = dict(SPEC)
+    if s["graphs"] == "eager":
+        kw["enforce_eager"] = True
+    elif s["graphs"] == "none":
+        kw["compilation_config"] = {"cudagraph_mode": "NONE"}
+    # vllm#40807 fails in the CUDA-graph memory profile, which only the
+    # gpu_memory_utilization path runs (m4, as the issue ran it; with a fixed
+    # KV budget the same error comes from capture_model instead); elsewhere a
+    # fixed KV budget keeps concurrent jobs out of each other's memory profile.
+    if s["mem"] == "gmu" or s["workload"] == "speed":
+        kw["gpu_memory_utilization"] = GMU
+    else:
+        kw["kv_cache_memory_bytes"] = KV_BYTES
+        kw["gpu_memory_utilization"] = KV_GMU
+    return kw
+
+
+def short_prompts() -> list[list[int]]:
+    """8 prompts: 4 random (48-96 tokens), 4 repetitive (n-gram friendly)."""
+    import random
+
+    r = random.Random(1234)
+    out = []
+    for i in range(4):
+        n = 48 + 16 * i
+        out.append([r.randrange(10, VOCAB_MAX) for _ in range(n)])
+    for i in range(4):
+        block = [r.randrange(10, VOCAB_MAX) for _ in range(8 + 4 * i)]
+        out.append((block * 16)[: 64 + 8 * i])
+    return out
+
+
+def random_tokens(n: int, seed: int) -> list[int]:
+    import random
+
+    r = random.Random(seed)
+    return [r.randrange(10, VOCAB_MAX) for _ in range(n)]
+
+
+def long_requests(prefix: bool) -> list[dict]:
+    """The continuation requests of the std workload, in order. With prefix
+    caching: A = ctx tokens, then B = A + TAIL (a prefix hit of ctx tokens and
+    a TAIL-token continuation). Without: one prompt of ctx + TAIL tokens
+    (with chunked prefill its later chunks are continuations)."""
+    reqs = []
+    for j, ctx in enumerate(LONG_CTX):
+        base = random_tokens(ctx, 1000 + j)
+        tail = random_tokens(TAIL, 2000 + j)
+        if prefix:
+            reqs.append({"label": f"prefix{ctx}", "ctx": ctx, "prompt": base, "measure": False})
+            reqs.append({"label": f"hit{ctx}+{TAIL}", "ctx": ctx, "prompt": base + tail,
+                         "measure": True})
+        else:
+            reqs.append({"label": f"long{ctx}+{TAIL}", "ctx": ctx, "prompt": base + tail,
+                         "measure": True})
+    return reqs
+
+
+# What each release x variant is expected to show (for the tables; the
+# device result is what counts).
+EXPECT = {
+    ("v0.20.2", "unpatched", "spec"): "init fails: Cannot copy between CPU and CUDA tensors during CUDA graph capture (vllm#40807)",
+    ("v0.20.2", "unpatched", "hybrid"): "config fails: NotImplementedError: TurboQuant KV cache is not supported for hybrid",
+    ("v0.20.2", "unpatched", "cont"): "serves; per-layer dequant buffers grow with the context",
+    ("v0.21.0", "unpatched", "cont"): "first continuation > 128 tokens after capture: AssertionError: Workspace is locked but allocation from ..._continuation_prefill (vllm#41726)",
+    ("v0.26.0", "unpatched", "cont"): "chunked prefill on: serves, workspace reserved for the full max_model_len dequant; off (m2): a prefix hit's continuation after capture: Workspace is locked (nothing reserved then)",
+    ("*", "patched", "*"): "serves",
+}
+
+
+def needs_continuation(name: str) -> bool:
+    s = SCENARIOS[name]
+    return s["kind"] == "engine" and s["workload"] == "std" and (s["chunked"] or s["prefix"])

@@ -1,0 +1,300 @@
+"""Turn the campaign's results into markdown tables (run HERE, after copying
+each call's $OUT files into ci/gpu/results/engine/):
+
+    python3 ci/gpu/engine/summarize.py [--results ci/gpu/results/engine] [--out tables.md]
+
+Reads every c*_results.json (driver.py) and c*_setup.log; writes
+RESULTS/tables.md:
+  1. outcome per scenario x release x unpatched/patched, with the first line
+     of the error (the innermost one naming the bug where there is a chain);
+  2. GPU memory after each continuation request (v0.20.2's per-layer buffers,
+     the shared workspace);
+  3. output equality: greedy token ids with CUDA graphs vs eager (and patched
+     vs unpatched where both served);
+  4. TurboQuant vs kv_cache_dtype auto: per-token logprob difference;
+  5. decode throughput (output tok/s), batch 1 and 32;
+  6. the continuation-prefill kernel benchmark on the wheels' flash-attn;
+with the device, date and command of each call.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import statistics
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+import scenarios as S  # noqa: E402
+
+REPO = HERE.parents[2]
+BUG_KEYS = ("Cannot copy between CPU and CUDA", "Workspace is locked", "TurboQuant KV cache is not supported")
+
+
+def load(results_dir: Path) -> tuple[list[dict], dict]:
+    rows: list[dict] = []
+    calls: dict = {}
+    for f in sorted(results_dir.glob("c*_results.json")):
+        d = json.loads(f.read_text())
+        call = d.get("call", f.stem.split("_")[0])
+        for r in d["results"]:
+            r["call"] = call
+            rows.append(r)
+        setup = results_dir / f"{call}_setup.log"
+        head = setup.read_text(errors="replace").splitlines()[:3] if setup.exists() else []
+        calls[call] = {"header": next((h for h in head if h.startswith("==")), ""), "n": len(d["results"])}
+    return rows, calls
+
+
+def key(r: dict) -> tuple[str, str, str]:
+    return r["release"], r["variant"], r["scenario"]
+
+
+def err_line(r: dict) -> str:
+    e = r.get("error") or {}
+    first = e.get("first_line", "")
+    for c in e.get("chain") or []:
+        if any(k in c.get("first_line", "") for k in BUG_KEYS):
+            return f"{c['type']}: {c['first_line']}"
+    return f"{e.get('type', '')}: {first}" if e else ""
+
+
+def cell(r: dict | None) -> str:
+    if r is None:
+        return "-"
+    o = r.get("outcome", "?")
+    if o == "ok":
+        extra = ""
+        if r.get("long"):
+            n = sum(1 for x in r["long"] if not x.get("failed"))
+            extra = f" ({n}/{len(r['long'])} long)"
+        return "serves" + extra
+    if o.startswith("skipped"):
+        return o
+    ph = r.get("phase", "")
+    where = {"init": "startup", "short": "short prompts", "long": "continuation request"}.get(ph, ph)
+    line = err_line(r)
+    return f"**{o}** at {where}: `{line[:140]}`" if line else f"**{o}**"
+
+
+def table_outcomes(rows: list[dict]) -> str:
+    cols = sorted({(r["release"], r["variant"]) for r in rows if S.SCENARIOS.get(r["scenario"], {}).get("kind") == "engine"},
+                  key=lambda x: (x[0], x[1] != "unpatched"))
+    scns = [n for n in S.SCENARIOS if S.SCENARIOS[n]["kind"] == "engine"]
+    by = {key(r): r for r in rows}
+    out = ["| scenario | " + " | ".join(f"{rel} {var}" for rel, var in cols) + " |",
+           "|---|" + "---|" * len(cols)]
+    for n in scns:
+        if not any((rel, var, n) in by for rel, var in cols):
+            continue
+        s = S.SCENARIOS[n]
+        out.append(f"| {n}: {s.get('doc', '')} | " + " | ".join(cell(by.get((rel, var, n))) for rel, var in cols) + " |")
+    return "\n".join(out)
+
+
+def table_memory(rows: list[dict]) -> str:
+    out = ["| release | variant | scenario | request | cached tokens reused | allocated MiB | TQ per-layer tensors MiB | workspace MiB |",
+           "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        for x in r.get("long") or []:
+            m = x.get("mem")
+            head = f"| {r['release']} | {r['variant']} | {r['scenario']} | {x['label']} |"
+            if not m:
+                if x.get("failed"):
+                    out.append(f"{head} | **failed: {err_line(r)[:80]}** | | |")
+                continue
+            ws = m.get("workspace_bytes")
+            ws_s = f"{ws / 2**20:.2f}" if isinstance(ws, int) else str(ws)
+            out.append(f"{head} {x.get('num_cached_tokens')} | {m['allocated'] / 2**20:.0f} | "
+                       f"{m.get('tq_layer_tensor_bytes', 0) / 2**20:.1f} | {ws_s} |")
+    return "\n".join(out)
+
+
+def compare(a: dict, b: dict) -> dict:
+    """Greedy outputs of the same prompts: identical sequences, first
+    divergence, logprob differences of the chosen token where both agree."""
+    sa, sb = a.get("short") or [], b.get("short") or []
+    n = min(len(sa), len(sb))
+    same = 0
+    first_div = []
+    dlp = []
+    for i in range(n):
+        ta, tb = sa[i]["token_ids"], sb[i]["token_ids"]
+        if ta == tb:
+            same += 1
+            first_div.append(None)
+        else:
+            first_div.append(next(j for j in range(min(len(ta), len(tb))) if ta[j] != tb[j]) if any(
+                x != y for x, y in zip(ta, tb)) else min(len(ta), len(tb)))
+        la, lb = sa[i].get("logprobs") or [], sb[i].get("logprobs") or []
+        for j in range(min(len(ta), len(tb), len(la), len(lb))):
+            if ta[j] != tb[j]:
+                break
+            t = str(ta[j])
+            if t in la[j] and t in lb[j]:
+                dlp.append(abs(la[j][t] - lb[j][t]))
+    return {"prompts": n, "identical": same, "first_divergence": first_div,
+            "mean_abs_dlogprob": statistics.mean(dlp) if dlp else None,
+            "max_abs_dlogprob": max(dlp) if dlp else None, "tokens_compared": len(dlp)}
+
+
+def table_pairs(rows: list[dict], pairs: list[tuple[str, str, str]], title: str) -> str:
+    by = {key(r): r for r in rows}
+    out = [f"| release | variant | {title} | identical / prompts | first divergence (token index per prompt) | tokens compared | mean abs d logprob | max abs d logprob |",
+           "|---|---|---|---|---|---|---|---|"]
+    rv = sorted({(r["release"], r["variant"]) for r in rows})
+    for rel, var in rv:
+        for x, y, label in pairs:
+            a, b = by.get((rel, var, x)), by.get((rel, var, y))
+            if not a or not b or a.get("outcome") != "ok" and not a.get("short") or b.get("outcome") != "ok" and not b.get("short"):
+                continue
+            c = compare(a, b)
+            fd = ",".join("-" if v is None else str(v) for v in c["first_divergence"])
+            mean = "" if c["mean_abs_dlogprob"] is None else f"{c['mean_abs_dlogprob']:.2e}"
+            mx = "" if c["max_abs_dlogprob"] is None else f"{c['max_abs_dlogprob']:.2e}"
+            out.append(f"| {rel} | {var} | {label} | {c['identical']}/{c['prompts']} | {fd} | {c['tokens_compared']} | {mean} | {mx} |")
+    return "\n".join(out)
+
+
+def table_variants_equal(rows: list[dict]) -> str:
+    by = {key(r): r for r in rows}
+    out = ["| release | scenario | unpatched vs patched: identical / prompts | mean abs d logprob |", "|---|---|---|---|"]
+    for (rel, var, scn), r in sorted(by.items()):
+        if var != "unpatched" or not r.get("short"):
+            continue
+        p = by.get((rel, "patched", scn))
+        if not p or not p.get("short"):
+            continue
+        c = compare(r, p)
+        mean = "" if c["mean_abs_dlogprob"] is None else f"{c['mean_abs_dlogprob']:.2e}"
+        out.append(f"| {rel} | {scn} | {c['identical']}/{c['prompts']} | {mean} |")
+    return "\n".join(out)
+
+
+def table_speed(rows: list[dict]) -> str:
+    out = ["| release | variant | scenario | batch 1 tok/s | batch 32 tok/s | vs CUDA graphs (b1 / b32) |", "|---|---|---|---|---|---|"]
+    sp = [r for r in rows if r.get("speed") or (r["scenario"].startswith("s_"))]
+    ref = {}
+    for r in sp:
+        if r["scenario"] in ("s_graph", "s_spec_graph") and r.get("speed"):
+            ref[(r["release"], r["scenario"].replace("_graph", ""))] = r["speed"]
+    for r in sp:
+        if not r.get("speed"):
+            out.append(f"| {r['release']} | {r['variant']} | {r['scenario']} | {cell(r)} | | |")
+            continue
+        b1 = r["speed"]["bs1"]["best_tok_per_s"]
+        b32 = r["speed"]["bs32"]["best_tok_per_s"]
+        base = r["scenario"].replace("_graph", "").replace("_none", "").replace("_eager", "")
+        g = ref.get((r["release"], base))
+        rat = f"{b1 / g['bs1']['best_tok_per_s']:.2f} / {b32 / g['bs32']['best_tok_per_s']:.2f}" if g else ""
+        out.append(f"| {r['release']} | {r['variant']} | {r['scenario']}: {S.SCENARIOS[r['scenario']]['doc']} | {b1} | {b32} | {rat} |")
+    return "\n".join(out)
+
+
+def table_bench(rows: list[dict]) -> str:
+    runs: dict[str, dict] = {}
+    meta = {}
+    for r in rows:
+        b = r.get("bench")
+        if not b:
+            continue
+        v = r.get("bench_variant")
+        meta[v] = (r["release"], r["variant"], b.get("reserved"), b.get("device"), r.get("real_flash_attn_varlen_func"))
+        for x in b.get("runs", []):
+            runs.setdefault(f"{x['preset']}/{x['cached']}/{x['q']}", {})[v] = x
+    if not runs:
+        return "(no benchmark results)"
+    out = ["variants: " + "; ".join(f"({v}) {m[0]} {m[1]}, flash-attn {m[4]}" for v, m in sorted(meta.items())), ""]
+    out.append("| preset | cached | q_len | floor ms | (a) ms | (b) ms | (c) ms | (c)/(b) | (c)/floor | peak a / b / c MiB |")
+    out.append("|---|---|---|---|---|---|---|---|---|---|")
+    worst = []
+    for k, d in runs.items():
+        preset, cached, q = k.split("/")
+        any_ = next(iter(d.values()))
+        fl = any_["floor"]["floor_ms"]
+
+        def t(v):
+            x = d.get(v)
+            return x["time"]["median_ms"] if x and x.get("time") else None
+
+        def fmt(x):
+            return "" if x is None else f"{x:.2f}"
+
+        a, b, c = t("a"), t("b"), t("c")
+        cb = c / b if (b and c) else None
+        if cb and int(cached) >= 32768:
+            worst.append(cb)
+        peaks = " / ".join("" if not d.get(v) else f"{d[v].get('peak_extra_bytes', 0) / 2**20:.0f}" for v in "abc")
+        out.append(f"| {preset.replace('turboquant_', '')} | {int(cached) // 1024}K | {q} | {fl:.3f} | {fmt(a)} | {fmt(b)} | {fmt(c)} | "
+                   f"{'' if cb is None else f'**{cb:.2f}**'} | {'' if c is None else f'{c / fl:.1f}'} | {peaks} |")
+    out.append("")
+    for v, m in sorted(meta.items()):
+        out.append(f"- reserved ({v}) {m[0]} {m[1]}: {json.dumps(m[2])}")
+    if worst:
+        out.append(f"- goal (c) <= 0.67 x (b) at 32K-128K: max (c)/(b) = {max(worst):.2f} -> "
+                   f"{'met' if max(worst) <= 0.67 else 'missed'}")
+    return "\n".join(out)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--results", default=str(REPO / "ci/gpu/results/engine"))
+    ap.add_argument("--out", default="")
+    a = ap.parse_args()
+    rd = Path(a.results)
+    rows, calls = load(rd)
+    if not rows:
+        print(f"no c*_results.json in {rd}")
+        return 1
+    gpus = sorted({r.get("gpu") for r in rows if r.get("gpu")})
+    dates = sorted({r.get("started", "")[:10] for r in rows if r.get("started")})
+    parts = [
+        "# GPU campaign: the release wheels' engine (generated by ci/gpu/engine/summarize.py)",
+        "",
+        f"Device: {', '.join(gpus) or '?'}; dates: {', '.join(dates) or '?'}.",
+        "Calls (ci/gpu/engine/PLAN.md; each `bash ci/gpu/engine/device/call.sh CALL` with carry `.dev/eng/CALL`):",
+        *[f"- {c}: {v['header']} ({v['n']} jobs)" for c, v in sorted(calls.items())],
+        "",
+        "## 1. Outcomes (unpatched release wheels vs patched)",
+        "",
+        table_outcomes(rows),
+        "",
+        "## 2. GPU memory after each continuation request",
+        "",
+        table_memory(rows),
+        "",
+        "## 3. Output equality (greedy token ids, 8 prompts x 32 tokens)",
+        "",
+        table_pairs(rows, [("m1", "e_m1", "dense 4bit_nc graphs vs eager"), ("h1", "e_h1", "hybrid 4bit_nc graphs vs eager"),
+                           ("k_m1", "ke_m1", "dense k8v4 graphs vs eager"), ("k_h1", "ke_h1", "hybrid k8v4 graphs vs eager")],
+                    "pair"),
+        "",
+        table_variants_equal(rows),
+        "",
+        "## 4. TurboQuant vs kv_cache_dtype auto (same dummy model, CUDA graphs)",
+        "",
+        table_pairs(rows, [("a_m1", "m1", "dense: auto vs turboquant_4bit_nc"), ("a_h1", "h1", "hybrid: auto vs turboquant_4bit_nc"),
+                           ("a_m1", "k_m1", "dense: auto vs turboquant_k8v4"), ("a_h1", "k_h1", "hybrid: auto vs turboquant_k8v4")],
+                    "pair"),
+        "",
+        "## 5. Decode throughput (short prompts: 32 tokens in, 256 out)",
+        "",
+        table_speed(rows),
+        "",
+        "## 6. Continuation prefill on the wheels' flash-attn (tq_continuation_bench shapes)",
+        "",
+        table_bench(rows),
+        "",
+    ]
+    text = "\n".join(parts)
+    out = Path(a.out) if a.out else rd / "tables.md"
+    out.write_text(text)
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
