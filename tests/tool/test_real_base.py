@@ -17,6 +17,8 @@ TEST = '''\
 import ast, os
 from pathlib import Path
 
+import pytest
+
 
 def threshold():
     src = Path(os.environ["VLLM_TREE"], "{tq}").read_text()
@@ -26,8 +28,9 @@ def threshold():
             return node.value.value
 
 
+@pytest.mark.bug_signature(AssertionError, r"^threshold 128, want 64")
 def test_threshold_regression():
-    assert threshold() == 64
+    assert threshold() == 64, f"threshold {{threshold()}}, want 64"
 '''.format(tq=TQ)
 
 
