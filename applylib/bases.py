@@ -29,6 +29,7 @@ from .core import (
     rev_commit,
     say,
 )
+from .pinned import pinned_files, read_pinned
 from .series import Stack
 
 
@@ -62,8 +63,11 @@ class Base:
     repo: Path
     rev: str
     commit: str
-    source: str  # "repo" | "cache" | "pypi" | "remote"
+    source: str  # "repo" | "cache" | "pypi" | "remote" | "fetched"
     upstream_commit: str | None = None
+    fetched: str | None = None  # source "fetched": the directory of pinned files
+    # source "fetched": release, release_commit, files (what assemble_base made)
+    assembled: dict | None = None
 
 
 class BaseUnavailable(Exception):
@@ -100,7 +104,11 @@ def upstream_commit_of(repo: Path, commit: str) -> str | None:
 
 
 def with_pinned_base(
-    stack: Stack, rev: str | None, user_repo: Path | None, offline: bool
+    stack: Stack,
+    rev: str | None,
+    user_repo: Path | None,
+    offline: bool,
+    fetched: Path | None = None,
 ) -> tuple[Base, Base | None]:
     """resolve_base for `rev`, and the stack's pinned base when `rev` is
     another base (obtained into the same repository, from its wheel if need
@@ -110,17 +118,37 @@ def with_pinned_base(
     pinned = None
     if rev is not None:
         with contextlib.suppress(BaseUnavailable):
-            pinned = resolve_base(stack, None, user_repo, offline)
-    base = resolve_base(stack, rev, user_repo, offline)
+            pinned = resolve_base(stack, None, user_repo, offline, fetched)
+    base = resolve_base(stack, rev, user_repo, offline, fetched)
     if pinned is not None and (pinned.repo, pinned.commit) == (base.repo, base.commit):
         pinned = None
     return base, pinned
 
 
 def resolve_base(
+    stack: Stack,
+    rev: str | None,
+    user_repo: Path | None,
+    offline: bool,
+    fetched: Path | None = None,
+) -> Base:
+    """Find the stack's base, obtaining it into the cache repo if needed.
+
+    The stack's own base (no `rev`) that cannot be had, of a stack that
+    names a release to assemble it from (assemble=), is assembled offline
+    from that release and the pinned files in `fetched` (assemble_base).
+    """
+    try:
+        return find_base(stack, rev, user_repo, offline)
+    except BaseUnavailable:
+        if rev is None and fetched is not None and stack.pins.get("assemble"):
+            return assemble_base(stack, fetched)
+        raise
+
+
+def find_base(
     stack: Stack, rev: str | None, user_repo: Path | None, offline: bool
 ) -> Base:
-    """Find the stack's base, obtaining it into the cache repo if needed."""
     pins = stack.pins
     candidates = (
         [rev]
@@ -341,6 +369,63 @@ def materialize_release(repo: Path, version: str, wheel: Path | None = None) -> 
     git("update-ref", f"refs/tags/{tag}", c, cwd=repo)
     git("update-ref", "-d", f"refs/{TOOL_NAME}/import", cwd=repo)
     return c
+
+
+def assemble_base(stack: Stack, fetched: Path) -> Base:
+    """The stack's base, assembled offline: the release named by assemble=
+    (committed from its wheel) with each file the patches change replaced by
+    its pinned version from `fetched`, each checked against the blob id the
+    patch was made on. One commit on the release's, with fixed author and
+    date: the same release and files give the same commit id everywhere."""
+    release = RELEASE_TAG.match(stack.pins["assemble"]).group(1)
+    repo = cache_repo()
+    rel = materialize_release(repo, release)
+    taken = []
+    with tempfile.TemporaryDirectory() as tmp:
+        env = {"GIT_INDEX_FILE": str(Path(tmp) / "index")}
+        git("read-tree", rel, cwd=repo, env=env)
+        for f in pinned_files(stack):
+            have = git(
+                "rev-parse", "-q", "--verify", f"{rel}:{f.path}", cwd=repo, check=False
+            )
+            if have.stdout.decode().strip() == f.blob:
+                continue  # the release already holds it
+            data = read_pinned(f, fetched)
+            oid = gout("hash-object", "-w", "--stdin", cwd=repo, input=data)
+            info = f"{f.mode},{oid},{f.path}"
+            git("update-index", "--add", "--cacheinfo", info, cwd=repo, env=env)
+            taken.append(f)
+        tree = gout("write-tree", cwd=repo, env=env)
+    lines = [
+        f"{stack.name} base: vLLM {release} with the stack's pinned files",
+        "",
+        f"Assembled by apply.py: the Python sources of the vLLM {release}",
+        "release wheel, with these files as they are at their pins:",
+        "",
+    ]
+    for f in taken:
+        lines += [f"  {f.path}", f"    {f.repo} {f.commit}", f"    blob {f.blob}"]
+    lines += ["", f"Assembled-From: v{release}"]
+    ident = {
+        "GIT_AUTHOR_NAME": IDENTITY[0],
+        "GIT_AUTHOR_EMAIL": IDENTITY[1],
+        "GIT_AUTHOR_DATE": BASE_DATE,
+        "GIT_COMMITTER_NAME": IDENTITY[0],
+        "GIT_COMMITTER_EMAIL": IDENTITY[1],
+        "GIT_COMMITTER_DATE": BASE_DATE,
+    }
+    msg = ("\n".join(lines) + "\n").encode()
+    c = gout("commit-tree", tree, "-p", rel, cwd=repo, env=ident, input=msg)
+    git("update-ref", f"refs/{TOOL_NAME}/assembled/{stack.name}", c, cwd=repo)
+    files = [dataclasses.asdict(f) for f in taken]
+    return Base(
+        repo,
+        f"v{release}+pins",
+        c,
+        "fetched",
+        fetched=str(fetched),
+        assembled={"release": f"v{release}", "release_commit": rel, "files": files},
+    )
 
 
 def worktree(repo: Path, key: str, commit: str) -> Path:

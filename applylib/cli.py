@@ -49,6 +49,14 @@ def parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--no-tests", action="store_true", help="apply only")
     p.add_argument(
+        "--fetched",
+        metavar="DIR",
+        help="pinned files for bases that cannot be fetched: a stack with "
+        "assemble=vX.Y.Z gets that release with its patches' files as they are "
+        "at their pins, from DIR/<owner>-<name>-<commit>/<path> "
+        "(default $VLLM_PATCHES_FETCHED)",
+    )
+    p.add_argument(
         "--offline",
         action="store_true",
         default=bool(os.environ.get("VLLM_PATCHES_OFFLINE")),
@@ -111,8 +119,8 @@ def parser() -> argparse.ArgumentParser:
     f.set_defaults(func=cmd_format_patch)
     for sp in (t, b):
         common(sp, "python", "offline")
-    common(b, "stack", "repo")
-    common(c, "repo")
+    common(b, "stack", "repo", "fetched")
+    common(c, "repo", "fetched")
     add_rebase_commands(sub)
     add_deliver_commands(sub)
     add_mutants_command(sub)

@@ -8,7 +8,14 @@ import sys
 import tempfile
 from pathlib import Path
 
-from .bases import BaseUnavailable, cache_dir, find_user_repo, resolve_base
+from .bases import (
+    RELEASE_TAG,
+    BaseUnavailable,
+    assemble_base,
+    cache_dir,
+    find_user_repo,
+    resolve_base,
+)
 from .core import (
     IDENTITY,
     UserError,
@@ -20,6 +27,7 @@ from .core import (
     say,
 )
 from .mutants import lint_mutants
+from .pinned import fetched_dir
 from .series import (
     Patch,
     Series,
@@ -45,7 +53,9 @@ def cmd_check(args: argparse.Namespace) -> int:
             problems += lint_patch(series, p)
             loaded.append(p)
             checked += 1
-        problems += roundtrip(series, st, loaded, find_user_repo(args.repo))
+        problems += roundtrip(
+            series, st, loaded, find_user_repo(args.repo), fetched_dir(args)
+        )
     problems += lint_mutants(series)
     for pr in problems:
         print(pr)
@@ -56,16 +66,12 @@ def cmd_check(args: argparse.Namespace) -> int:
     return 0
 
 
-def roundtrip(
-    series: Series, stack: Stack, patches: list[Patch], user_repo: Path | None
-) -> list[str]:
-    """Re-export each patch from its base (when at hand) and compare bytes.
-
-    Offline and without a checkout: the patches are applied to the base's
-    tree in a temporary index, committed with their own author, date and
-    message, and exported again.
-    """
-    base = None
+def roundtrip_base(
+    stack: Stack, user_repo: Path | None, fetched: Path | None
+) -> tuple[Path, str] | None:
+    """The stack's base when at hand, without fetching or downloading: in
+    the user's repository or the tool's cache, else assembled from the
+    pinned files in `fetched` when its release is at hand."""
     for repo in (user_repo, cache_dir() / "vllm.git"):
         if repo is None or not (
             repo.is_dir() and (repo / "HEAD").exists() or (repo / ".git").exists()
@@ -78,15 +84,41 @@ def roundtrip(
         ):
             base = rev_commit(repo, r) if r else None
             if base:
-                break
-        if base:
-            break
-    if base is None:
+                return repo, base
+    release = stack.pins.get("assemble")
+    if fetched is None or not release:
+        return None
+    version = RELEASE_TAG.match(release).group(1)
+    cache = cache_dir() / "vllm.git"
+    if not list((cache_dir() / "dist").glob(f"vllm-{version}-*.whl")) and not (
+        cache.is_dir() and rev_commit(cache, f"refs/tags/{release}")
+    ):
+        return None
+    base = assemble_base(stack, fetched)
+    return base.repo, base.commit
+
+
+def roundtrip(
+    series: Series,
+    stack: Stack,
+    patches: list[Patch],
+    user_repo: Path | None,
+    fetched: Path | None = None,
+) -> list[str]:
+    """Re-export each patch from its base (when at hand) and compare bytes.
+
+    Offline and without a checkout: the patches are applied to the base's
+    tree in a temporary index, committed with their own author, date and
+    message, and exported again.
+    """
+    found = roundtrip_base(stack, user_repo, fetched)
+    if found is None:
         print(
             f"note: stack {stack.name}: base not at hand, export round-trip "
             "not checked (run 'apply.py base --stack NAME' first)"
         )
         return []
+    repo, base = found
     probs = []
     with tempfile.TemporaryDirectory() as tmp:
         env = {"GIT_INDEX_FILE": str(Path(tmp) / "index")}
@@ -188,12 +220,15 @@ def cmd_base(args: argparse.Namespace) -> int:
     series = parse_series(Path(args.series), need_patches=False)
     stack = series.stack(args.stack)
     user_repo = find_user_repo(args.repo)
+    fetched = fetched_dir(args)
     try:
-        base = resolve_base(stack, args.rev, user_repo, args.offline)
+        base = resolve_base(stack, args.rev, user_repo, args.offline, fetched)
     except BaseUnavailable as e:
         say(f"apply.py: base unavailable: {e.reason}\n  to get it: {e.hint}")
         return 1
     up = f" upstream={base.upstream_commit}" if base.upstream_commit else ""
+    if base.fetched:
+        up += f" fetched={base.fetched}"
     print(f"{base.rev} {base.commit} repo={base.repo} source={base.source}{up}")
     return 0
 

@@ -44,7 +44,16 @@ SPDX = (
 ZERO_FROM = b"From 0000000000000000000000000000000000000000 Mon Sep 17 00:00:00 2001\n"
 
 
-STACK_KEYS = {"repo", "tag", "branch", "commit", "upstream", "pypi", "fetch"}
+STACK_KEYS = {
+    "repo",
+    "tag",
+    "branch",
+    "commit",
+    "upstream",
+    "pypi",
+    "fetch",
+    "assemble",
+}
 
 
 RECORDS = ("not-needed", "dropped")  # patch records kept in series for history
@@ -188,6 +197,8 @@ def common(sp: argparse.ArgumentParser, *names: str) -> None:
         "python": "Python that runs the tests",
         "offline": "never try git remotes",
         "json": "write JSON here",
+        "fetched": "directory of pinned files for offline bases "
+        "(DIR/<owner>-<name>-<commit>/<path>; default $VLLM_PATCHES_FETCHED)",
     }
     for n in names:
         if n == "offline":

@@ -34,6 +34,7 @@ from .core import (
     rev_commit,
     say,
 )
+from .pinned import fetched_dir
 from .runner import PatchResult, apply_stack
 from .series import (
     DIFF_GIT,
@@ -554,6 +555,7 @@ def cmd_export(args: argparse.Namespace) -> int:
         if not (series.root / f).is_file():
             raise UserError(f"patches/{entry}: test file {f} does not exist")
     user_repo = find_user_repo(args.repo)
+    fetched = fetched_dir(args)
     base = None
     pin = stack.file_pins.get(entry)
     if pin and not args.base:  # the patch's own base ('#@ pin'), when at hand
@@ -570,7 +572,7 @@ def cmd_export(args: argparse.Namespace) -> int:
                 f"not at hand ({e.reason}): using the stack's base"
             )
     try:
-        base = base or resolve_base(stack, args.base, user_repo, args.offline)
+        base = base or resolve_base(stack, args.base, user_repo, args.offline, fetched)
     except BaseUnavailable as e:
         raise UserError(f"base unavailable: {e.reason} (to get it: {e.hint})") from None
     stem = Path(entry).stem
@@ -835,7 +837,7 @@ def add_deliver_commands(sub: argparse._SubParsersAction) -> None:
         "differs from the base tree's",
     )
     w.set_defaults(func=cmd_wheel)
-    common(w, "stack", "repo", "python", "offline", "json")
+    common(w, "stack", "repo", "python", "offline", "json", "fetched")
 
     e = sub.add_parser(
         "export",
@@ -877,4 +879,4 @@ def add_deliver_commands(sub: argparse._SubParsersAction) -> None:
         help="overwrite an existing branch outside the tool's namespace",
     )
     e.set_defaults(func=cmd_export)
-    common(e, "repo", "python", "offline", "json")
+    common(e, "repo", "python", "offline", "json", "fetched")

@@ -37,6 +37,7 @@ from .core import (
     gout,
     say,
 )
+from .pinned import fetched_dir
 from .runner import (
     PatchResult,
     am,
@@ -133,7 +134,7 @@ def new_pins(stack: Stack, base: Base) -> dict[str, str]:
     pins = {
         k: v
         for k, v in stack.pins.items()
-        if k not in ("tag", "branch", "commit", "upstream", "fetch")
+        if k not in ("tag", "branch", "commit", "upstream", "fetch", "assemble")
     }
     if RELEASE_TAG.match(base.rev):
         pins["tag"] = base.rev if base.rev.startswith("v") else f"v{base.rev}"
@@ -241,7 +242,9 @@ class Rebase:
         conflict markers rather than fail without a merge.
         """
         try:
-            old = resolve_base(stack, None, user_repo, self.args.offline)
+            old = resolve_base(
+                stack, None, user_repo, self.args.offline, fetched_dir(self.args)
+            )
         except BaseUnavailable:
             return None, None
         if old.repo != repo:
@@ -610,7 +613,9 @@ def try_apply(
     key: str,
 ) -> tuple[Base | None, dict[str, PatchResult], str]:
     try:
-        base, pinned = with_pinned_base(stack, rev, user_repo, args.offline)
+        base, pinned = with_pinned_base(
+            stack, rev, user_repo, args.offline, fetched_dir(args)
+        )
     except BaseUnavailable as e:
         return None, {}, e.reason
     patches = [load_patch(series, p) for p in stack.patches]
@@ -794,7 +799,7 @@ def add_rebase_commands(sub: argparse._SubParsersAction) -> None:
         "--dry-run", action="store_true", help="with --time-machine: only find the base"
     )
     r.set_defaults(func=cmd_rebase)
-    common(r, "stack", "repo", "python", "offline")
+    common(r, "stack", "repo", "python", "offline", "fetched")
 
     s = sub.add_parser(
         "status",
@@ -810,4 +815,4 @@ def add_rebase_commands(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--releases", metavar="A..B", help="every release in A..B")
     s.add_argument("--json", help="write the matrix here")
     s.set_defaults(func=cmd_status)
-    common(s, "stack", "repo", "python", "offline")
+    common(s, "stack", "repo", "python", "offline", "fetched")

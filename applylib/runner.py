@@ -22,6 +22,7 @@ from .bases import (
     worktree,
 )
 from .core import AM_CONFIG, REF_NS, git, git_common_dir, gout, say
+from .pinned import fetched_dir
 from .series import Patch, Series, Stack, check_agreement, load_patch, parse_series
 from .testrun import Outcome, aggregate, run_tests, test_python
 
@@ -335,7 +336,9 @@ def run_stack(
         "base": rev or stack.pins.get("tag") or stack.pins.get("commit"),
     }
     try:
-        base, pinned = with_pinned_base(stack, rev, user_repo, args.offline)
+        base, pinned = with_pinned_base(
+            stack, rev, user_repo, args.offline, fetched_dir(args)
+        )
     except BaseUnavailable as e:
         rep.update(
             status="skipped",
@@ -349,6 +352,8 @@ def run_stack(
     )
     if base.upstream_commit:
         rep["upstream_commit"] = base.upstream_commit
+    if base.source == "fetched":
+        rep.update(fetched=base.fetched, assembled=base.assembled)
     results = {p.file: PatchResult(p.file) for p in patches}
     label = ref_label(base.rev)
     with locked(hashlib.sha1(str(git_common_dir(base.repo)).encode()).hexdigest()[:10]):
@@ -400,6 +405,12 @@ def table(rows: list[tuple[str, ...]]) -> list[str]:
 
 def print_stack(st: dict) -> None:
     src = st["source"]
+    if src == "fetched":  # assembled from a release and the pinned files
+        n = len(st["assembled"]["files"])
+        src = (
+            f"fetched {st['fetched']}: {st['assembled']['release']} + "
+            f"{n} pinned file{'s' if n != 1 else ''}"
+        )
     up = f", upstream {st['upstream_commit']}" if st.get("upstream_commit") else ""
     print(
         f"== stack {st['name']} on {st['base']} ({st['base_commit'][:12]}, "

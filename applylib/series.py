@@ -31,6 +31,7 @@ class Stack:
     patch_lines: dict[str, int] = dataclasses.field(default_factory=dict)
 
     file_pins: dict[str, dict[str, str]] = dataclasses.field(default_factory=dict)
+    patches_dir: Path | None = None  # where its patch files are (patches/)
 
     def fetch_hint(self, into: Path) -> str:
         """The git fetch command(s) that get the stack's base (and the
@@ -99,30 +100,7 @@ def parse_series(path: Path, need_patches: bool = True) -> Series:
                 k, v = w.split("=", 1)
                 kv[k] = v
             if kind == "stack":
-                if not rest or "=" in rest[0]:
-                    raise UserError(
-                        f"{where}: malformed directive: '#@ stack NAME key=value ...'"
-                    )
-                name = rest[0]
-                if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", name):
-                    raise UserError(f"{where}: bad stack name '{name}'")
-                bad = set(kv) - STACK_KEYS
-                if bad:
-                    raise UserError(
-                        f"{where}: malformed directive: unknown key "
-                        f"'{sorted(bad)[0]}' (known: "
-                        f"{', '.join(sorted(STACK_KEYS))})"
-                    )
-                if not ({"commit", "tag", "branch"} & set(kv)):
-                    raise UserError(
-                        f"{where}: stack '{name}' pins no base "
-                        "(give commit=, tag= or branch=)"
-                    )
-                if "commit" in kv and not re.fullmatch(r"[0-9a-f]{40}", kv["commit"]):
-                    raise UserError(f"{where}: commit= must be 40 hex digits")
-                if any(s.name == name for s in stacks):
-                    raise UserError(f"{where}: stack '{name}' defined twice")
-                stacks.append(Stack(name, kv, [], n))
+                stacks.append(parse_stack(where, rest, kv, stacks, path, n))
             elif kind == "pin":
                 if (
                     not stacks
@@ -181,6 +159,48 @@ def parse_series(path: Path, need_patches: bool = True) -> Series:
                     f"{path.name}: '{p}' is listed but patches/{p} does not exist"
                 )
     return Series(path.resolve(), stacks)
+
+
+def parse_stack(
+    where: str,
+    rest: list[str],
+    kv: dict[str, str],
+    stacks: list[Stack],
+    path: Path,
+    n: int,
+) -> Stack:
+    """One '#@ stack NAME key=value ...' directive, checked."""
+    if not rest or "=" in rest[0]:
+        raise UserError(f"{where}: malformed directive: '#@ stack NAME key=value ...'")
+    name = rest[0]
+    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", name):
+        raise UserError(f"{where}: bad stack name '{name}'")
+    bad = set(kv) - STACK_KEYS
+    if bad:
+        raise UserError(
+            f"{where}: malformed directive: unknown key '{sorted(bad)[0]}' "
+            f"(known: {', '.join(sorted(STACK_KEYS))})"
+        )
+    if not ({"commit", "tag", "branch"} & set(kv)):
+        raise UserError(
+            f"{where}: stack '{name}' pins no base (give commit=, tag= or branch=)"
+        )
+    if "commit" in kv and not re.fullmatch(r"[0-9a-f]{40}", kv["commit"]):
+        raise UserError(f"{where}: commit= must be 40 hex digits")
+    if "assemble" in kv and not re.fullmatch(
+        r"v\d+\.\d+\.\d+(?:\.post\d+)?", kv["assemble"]
+    ):
+        raise UserError(
+            f"{where}: assemble= must name a release, vX.Y.Z (got '{kv['assemble']}')"
+        )
+    if "assemble" in kv and "commit" not in kv:
+        raise UserError(
+            f"{where}: assemble= needs the stack's commit= (the pin of the "
+            "files its patches change)"
+        )
+    if any(s.name == name for s in stacks):
+        raise UserError(f"{where}: stack '{name}' defined twice")
+    return Stack(name, kv, [], n, patches_dir=path.resolve().parent / "patches")
 
 
 def check_safe_relpath(p: str, what: str) -> None:

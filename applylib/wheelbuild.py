@@ -30,6 +30,7 @@ from .core import (
     gout,
     say,
 )
+from .pinned import fetched_dir
 from .runner import PatchResult, apply_stack
 from .series import (
     Stack,
@@ -92,7 +93,10 @@ def wheel_step(python: str, *args: str) -> None:
 
 
 def stack_release(stack: Stack, rev: str | None, base: Base) -> str | None:
-    """The vLLM release a base is (X.Y.Z), if it is one."""
+    """The vLLM release a base is (X.Y.Z), if it is one; for a base
+    assembled from a release and pinned files, that release."""
+    if base.assembled:
+        return base.assembled["release"].lstrip("v")
     for r in [rev] if rev else [stack.pins.get("tag")]:
         if r and RELEASE_TAG.match(r):
             return RELEASE_TAG.match(r).group(1)
@@ -229,7 +233,9 @@ def cmd_wheel(args: argparse.Namespace) -> int:
     check_wheel_tool(python)
     user_repo = find_user_repo(args.repo)
     try:
-        base = resolve_base(stack, args.base, user_repo, args.offline)
+        base = resolve_base(
+            stack, args.base, user_repo, args.offline, fetched_dir(args)
+        )
         release = stack_release(stack, args.base, base)
         if release is None:
             raise UserError(
@@ -273,9 +279,12 @@ def cmd_wheel(args: argparse.Namespace) -> int:
             )
             return 1
         head = gout("rev-parse", "HEAD", cwd=wt)
-        changes = tree_changes(wt, base.commit, head)
+        # An assembled base ships its pinned files too: the wheel is the
+        # release's, so the changes are counted from the release's tree.
+        since = base.assembled["release_commit"] if base.assembled else base.commit
+        changes = tree_changes(wt, since, head)
         new = tree_blobs(wt, head, [p for p, s in changes.items() if s != "D"])
-        old = tree_blobs(wt, base.commit, [p for p, s in changes.items() if s != "A"])
+        old = tree_blobs(wt, since, [p for p, s in changes.items() if s != "A"])
         data = {}
         for path, (mode, oid) in new.items():
             if mode not in ("100644", "100755"):
@@ -345,6 +354,8 @@ def cmd_wheel(args: argparse.Namespace) -> int:
             ],
             "files": shipped,
         }
+        if base.assembled:  # the pinned files it ships besides the patches
+            manifest["assembled"] = base.assembled
         (infos[0] / WHEEL_MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
         t0 = time.monotonic()
         pack = ["pack", "--dest-dir", str(Path(tmp) / "out"), "--local-version", local]

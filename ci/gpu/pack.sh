@@ -11,12 +11,13 @@
 #                (the current files: refs/heads/patched/tq/v0.20.2 can lag)
 #   tq-fix       tq-patched + ci/gpu/proposed/*.diff (proposals, not in the
 #                series; only with PACK_FIX=1)
-#   dsv4-base    the assembled dsv4 base (tag `base` of $DSV4_REPO)
+#   dsv4-base    the dsv4 base, assembled by apply.py from v0.20.0 and the
+#                pinned files ($VLLM_PATCHES_FETCHED)
 #   dsv4-patched dsv4-base + the dsv4 patches of ./series
 #
-# Env: VLLM_PATCHES_CACHE (default ~/.cache/vllm-patches), DSV4_REPO
-# (default /tmp/h6/vllm, made by ci/assemble-dsv4-base.py). A tree whose
-# source is missing is left out with a note (run.sh parts that need it fail).
+# Env: VLLM_PATCHES_CACHE (default ~/.cache/vllm-patches), VLLM_PATCHES_FETCHED
+# (default ../shared/fixtures/dsv4 beside the project). A tree whose source is
+# missing is left out with a note (run.sh parts that need it fail).
 # With --extract DIR the trees are also unpacked to DIR/<name>/ (CPU checks).
 # PACK_ONLY="tq-fix v0.21.0" keeps only those archives in .gpu/ (a smaller
 # carry for a follow-up run; the carry limit is 64 MiB with .whl).
@@ -24,7 +25,7 @@ set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 root=$(cd "$here/../.." && pwd)
 cache=${VLLM_PATCHES_CACHE:-$HOME/.cache/vllm-patches}/vllm.git
-dsv4=${DSV4_REPO:-/tmp/h6/vllm}
+fetched=${VLLM_PATCHES_FETCHED:-$root/../shared/fixtures/dsv4}
 extract=""
 [ "${1:-}" = "--extract" ] && extract=$(realpath -m "$2")
 out=$root/.gpu
@@ -82,14 +83,20 @@ else
   echo "pack.sh: no $cache (run apply.py once to fill it); tq trees left out" | tee -a "$out/MANIFEST"
 fi
 
-if git -C "$dsv4" rev-parse -q --verify base >/dev/null 2>&1; then
-  export_ref "$dsv4/.git" base "$work/dsv4-base"
-  pack dsv4-base "$work/dsv4-base" "$dsv4 tag base $(git -C "$dsv4" rev-parse base)"
-  export_ref "$dsv4/.git" base "$work/dsv4-patched"
+# "REV COMMIT repo=PATH source=fetched ..." (apply.py base)
+dsv4=""
+[ -d "$fetched" ] && dsv4=$(VLLM_PATCHES_FETCHED=$fetched python3 "$root/apply.py" \
+  base --stack dsv4 --offline 2>/dev/null) || dsv4=""
+if [ -n "$dsv4" ]; then
+  set -- $dsv4
+  dsv4_git=${3#repo=}
+  export_ref "$dsv4_git" "$2" "$work/dsv4-base"
+  pack dsv4-base "$work/dsv4-base" "$1 $2 (apply.py base --stack dsv4, fetched $fetched)"
+  export_ref "$dsv4_git" "$2" "$work/dsv4-patched"
   apply_stack dsv4 "$work/dsv4-patched"
   pack dsv4-patched "$work/dsv4-patched" "dsv4 base + series dsv4 patches (git apply)"
 else
-  echo "pack.sh: no dsv4 base at $dsv4 (ci/assemble-dsv4-base.py); dsv4 trees left out" | tee -a "$out/MANIFEST"
+  echo "pack.sh: no dsv4 base (apply.py base --stack dsv4 with the pinned files in $fetched); dsv4 trees left out" | tee -a "$out/MANIFEST"
 fi
 if [ -n "${PACK_ONLY:-}" ]; then
   for f in "$out"/*.tar.gz; do

@@ -183,6 +183,54 @@ def test_single_step_matches_reference(
     check(run_decode(dsv4_decode, step, d_v, scratches), step, d_v)
 
 
+def _pad(idx: torch.Tensor, row: int, real: int) -> None:
+    """Row ``row`` keeps its first ``real`` ids; -1 after them, also inside
+    its declared length (the padding a top-k selection with fewer
+    candidates than k leaves)."""
+    idx[row, 0, real:] = -1
+
+
+@pytest.mark.parametrize("with_lengths", [True, False], ids=["lengths", "no_lengths"])
+def test_rows_without_entries_and_padded_rows(
+    dsv4_decode: ModuleType, with_lengths: bool
+) -> None:
+    """Rows that the valid lengths alone do not describe.
+
+    Row 1 has no valid entry in either scope: attention over the sink alone,
+    output 0. Each scope's LSE is -inf there, and merging two -inf LSEs gives
+    NaN weights, so the row must be masked after the merge. Rows 0 and 3
+    hold -1 inside their declared length: the valid mask must drop them
+    (``indices >= 0``), else ``kv_indptr`` counts them and the kernel reads
+    kv index -1. Without lengths (``topk_length=None``) the -1 entries alone
+    mark what is valid."""
+    step = make_step(50, [5, 0, 20, 32], [64, 0, 7, 40])
+    _pad(step.swa_idx, 0, 3)
+    _pad(step.ext_idx, 3, 25)
+    for idx in (step.swa_idx, step.ext_idx):
+        _pad(idx, 1, 0)
+    if not with_lengths:
+        for idx, lens in ((step.swa_idx, step.swa_lens), (step.ext_idx, step.ext_lens)):
+            for row, n in enumerate(lens.tolist()):
+                _pad(idx, row, n)
+            lens.fill_(idx.shape[-1])  # the reference: every non-negative id
+    out = dsv4_decode.aiter_sparse_attn_decode(
+        q=step.q,
+        blocked_k=step.swa_k,
+        indices_in_kvcache=step.swa_idx,
+        topk_length=step.swa_lens if with_lengths else None,
+        attn_sink=step.sink,
+        scale=step.q.shape[-1] ** -0.5,
+        head_dim=64,
+        extra_blocked_k=step.ext_k,
+        extra_indices_in_kvcache=step.ext_idx,
+        extra_topk_length=step.ext_lens if with_lengths else None,
+        scratch=dsv4_decode.AiterSparseScratch(),
+        extra_scratch=dsv4_decode.AiterSparseScratch(),
+    )
+    assert not out[1].any(), "a row without entries must be 0 (sink only)"
+    check(out, step, 64)
+
+
 # The fake AITER faults like the real kernel when the plan is stale.
 STALE_PLAN = r"Memory access fault by GPU \(fake AITER\)"
 

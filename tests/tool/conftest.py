@@ -135,6 +135,7 @@ class Fixture:
         full_env = dict(os.environ, VLLM_PATCHES_CACHE=str(self.cache),
                         VLLM_PATCHES_OFFLINE="1")
         full_env.pop("VLLM_REPO", None)
+        full_env.pop("VLLM_PATCHES_FETCHED", None)
         if env:
             full_env.update(env)
         cmd = [sys.executable, str(APPLY), *args]

@@ -58,6 +58,9 @@ def test_patch_file_not_in_series(fx: Fixture) -> None:
     ("#@ frobnicate\n", ["unknown directive"]),
     ('#@ stack fx5 tag="v1\n', ["malformed directive"]),
     ("#@ stack fx6 tag=v1 notkeyvalue\n", ["key=value"]),
+    ("#@ stack fx7 commit=" + "ab" * 20 + " assemble=main\n",
+     ["assemble= must name a release", "main"]),
+    ("#@ stack fx8 tag=v1 assemble=v1.0.0\n", ["assemble= needs", "commit="]),
 ])
 def test_malformed_directive(fx: Fixture, line: str, words: list[str]) -> None:
     standard_stack(fx)

@@ -15,9 +15,9 @@ PIN = "bc150f50299199599673614f80d12a196f377655"
 TQ = "vllm/v1/attention/backends/turboquant_attn.py"
 TEST = '''\
 import ast, os
+from pathlib import Path
 
 import pytest
-from pathlib import Path
 
 
 def threshold():
@@ -28,9 +28,9 @@ def threshold():
             return node.value.value
 
 
-@pytest.mark.bug_signature(AssertionError, r"^threshold is not 64")
+@pytest.mark.bug_signature(AssertionError, r"^threshold 128, want 64")
 def test_threshold_regression():
-    assert threshold() == 64, "threshold is not 64"
+    assert threshold() == 64, f"threshold {{threshold()}}, want 64"
 '''.format(tq=TQ)
 
 
