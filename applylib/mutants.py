@@ -35,6 +35,7 @@ from .bases import (
     worktree,
 )
 from .core import UserError, common, git, git_common_dir, say
+from .pinned import fetched_dir
 from .runner import PatchResult, apply_stack, positions, preimages, table
 from .series import Patch, Series, Stack, load_patch, parse_series, pick_patch
 from .testrun import aggregate, covers, run_tests, test_python
@@ -146,7 +147,9 @@ def stack_mutants(
     at its patch's position (the stack's pinned base plus the patches up to
     it); VLLM_BASE_TREE is the tree just before it."""
     try:
-        base, pinned = with_pinned_base(stack, args.base, user_repo, args.offline)
+        base, pinned = with_pinned_base(
+            stack, args.base, user_repo, args.offline, fetched_dir(args)
+        )
     except BaseUnavailable as e:
         say(f"apply.py mutants: stack {stack.name} skipped: {e.reason}")
         return [{"patch": p, "outcome": "skipped", "reason": e.reason} for p in wanted]
@@ -261,4 +264,4 @@ def add_mutants_command(sub: argparse._SubParsersAction) -> None:
         help="run only this mutant (its file name without .diff; repeatable)",
     )
     m.set_defaults(func=cmd_mutants)
-    common(m, "repo", "python", "offline")
+    common(m, "repo", "python", "offline", "fetched")

@@ -29,8 +29,13 @@ main=${PIPESTATUS[0]}
 # after the main job, so the bases are at hand for the export round-trip
 .venv/bin/python apply.py check
 check=$?
+# every mutant of every patch must be killed by the patch's own tests
+.venv/bin/python apply.py mutants --json build/mutants.json 2>&1 | tee build/mutants.txt
+mutants=${PIPESTATUS[0]}
 VLLM_PATCHES_REPORT=build/report.json .venv/bin/python -m pytest -q -ra tests "$@"
 tests=$?
 [ "$main" -eq 0 ] || echo "ci/test.sh: the main job failed (exit $main)"
 [ "$check" -eq 0 ] || echo "ci/test.sh: apply.py check failed (exit $check)"
-[ "$main" -eq 0 ] && [ "$check" -eq 0 ] && exit $tests || exit 1
+[ "$mutants" -eq 0 ] || echo "ci/test.sh: a mutant survived (exit $mutants)"
+[ "$main" -eq 0 ] && [ "$check" -eq 0 ] && [ "$mutants" -eq 0 ] && exit $tests
+exit 1
