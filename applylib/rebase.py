@@ -35,6 +35,7 @@ from .core import (
     format_patch,
     git,
     gout,
+    rev_commit,
     say,
 )
 from .runner import (
@@ -664,13 +665,21 @@ def cmd_status(args: argparse.Namespace) -> int:
     check_agreement(series)
     stack = series.stack(args.stack)
     user_repo = find_user_repo(args.repo)
-    if bool(args.bases) == bool(args.releases):
-        raise UserError("give one of --bases A,B,... or --releases A..B")
-    revs = (
-        args.bases.split(",")
-        if args.bases
-        else parse_range(args.releases, user_repo, args.offline)
-    )
+    if sum(map(bool, (args.bases, args.releases, args.commits))) != 1:
+        raise UserError(
+            "give one of --bases A,B,..., --releases A..B or "
+            "--commits A..B (with --repo)"
+        )
+    if args.commits:
+        revs = commit_range(args.commits, user_repo)
+    elif args.bases:
+        revs = args.bases.split(",")
+    else:
+        revs = parse_range(args.releases, user_repo, args.offline)
+    if args.culprit:
+        from .culprit import cmd_culprit
+
+        return cmd_culprit(series, stack, revs, user_repo, args)
     columns = [status_column(series, stack, rev, user_repo, args) for rev in revs]
     print_matrix([load_patch(series, p) for p in stack.patches], columns)
     report = {
@@ -683,6 +692,44 @@ def cmd_status(args: argparse.Namespace) -> int:
         Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
         print(f"report: {args.json}")
     return 0
+
+
+STATUS_HELP = """\
+Two questions about the series and vLLM versions.
+
+--bases / --releases / --commits: a patch x base matrix. For each base,
+apply the stack and run each patch's regression tests at its position on
+the unpatched base: clean / 3way / conflict / not-needed per patch, every
+cell measured.
+
+--culprit (with one of those): per patch, the first base where it stops
+applying, and the first where its bug is absorbed upstream (its
+regression verdict turns from fail to pass), found by bisection (git
+bisect style: one change assumed per range; a base where the tests cannot
+tell, an error, is skipped and a neighbour probed). With --commits and
+--repo the answer is a commit of a real vLLM clone, with its subject.
+"""
+
+STATUS_EPILOG = """\
+examples:
+  python apply.py status --bases v0.20.2,v0.21.0
+  python apply.py status --releases v0.20.0..v0.33.0 --json m.json
+  python apply.py status --releases v0.20.0..v0.33.0 --stack tq --culprit
+  python apply.py status --commits v0.20.2..v0.21.0 --repo ~/src/vllm --culprit
+"""
+
+
+def commit_range(text: str, user_repo: Path | None) -> list[str]:
+    """A..B in --repo: A, then the first-parent commits after it up to B."""
+    lo, sep, hi = text.partition("..")
+    if not sep or not lo or not hi:
+        raise UserError(f"range '{text}' is not A..B")
+    if user_repo is None:
+        raise UserError("--commits needs --repo (a vLLM git clone)")
+    start = rev_commit(user_repo, lo)
+    if start is None or rev_commit(user_repo, hi) is None:
+        raise UserError(f"unknown revision in '{text}' in {user_repo}")
+    return [start] + parse_range(f"{start}..{hi}", user_repo, True)
 
 
 def add_rebase_commands(sub: argparse._SubParsersAction) -> None:
@@ -729,15 +776,23 @@ def add_rebase_commands(sub: argparse._SubParsersAction) -> None:
     s = sub.add_parser(
         "status",
         formatter_class=fmt,
-        help="patch x base matrix, measured",
-        description="For each base, apply the stack and run the regression "
-        "tests on the unpatched base: clean / 3way / conflict / not-needed per "
-        "patch, every cell measured.",
-        epilog="examples:\n  python apply.py status --bases v0.20.2,v0.21.0\n"
-        "  python apply.py status --releases v0.20.0..v0.33.0 --json m.json",
+        help="patch x base matrix; culprit search",
+        description=STATUS_HELP,
+        epilog=STATUS_EPILOG,
     )
     s.add_argument("--bases", help="comma-separated revisions")
     s.add_argument("--releases", metavar="A..B", help="every release in A..B")
-    s.add_argument("--json", help="write the matrix here")
+    s.add_argument(
+        "--commits",
+        metavar="A..B",
+        help="the first-parent commits of --repo from A (included) to B",
+    )
+    s.add_argument(
+        "--culprit",
+        action="store_true",
+        help="per patch, bisect the bases for where it stops applying and "
+        "where its bug is absorbed upstream",
+    )
+    s.add_argument("--json", help="write the report here")
     s.set_defaults(func=cmd_status)
     common(s, "stack", "repo", "python", "offline")
