@@ -661,13 +661,23 @@ def print_matrix(patches: list[Patch], columns: list[dict]) -> None:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
+    if args.installed:
+        if args.bases or args.releases or args.commits or args.culprit:
+            raise UserError(
+                "--installed takes no --bases, --releases, --commits or --culprit"
+            )
+        from .installed import cmd_installed
+
+        return cmd_installed(args)
+    if args.test_python or args.no_tests:
+        raise UserError("--test-python and --no-tests go with --installed")
     series = parse_series(Path(args.series))
     check_agreement(series)
     stack = series.stack(args.stack)
     user_repo = find_user_repo(args.repo)
     if sum(map(bool, (args.bases, args.releases, args.commits))) != 1:
         raise UserError(
-            "give one of --bases A,B,..., --releases A..B or "
+            "give one of --installed, --bases A,B,..., --releases A..B or "
             "--commits A..B (with --repo)"
         )
     if args.commits:
@@ -695,7 +705,7 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 STATUS_HELP = """\
-Two questions about the series and vLLM versions.
+Three questions about the series and vLLM versions.
 
 --bases / --releases / --commits: a patch x base matrix. For each base,
 apply the stack and run each patch's regression tests at its position on
@@ -708,6 +718,29 @@ regression verdict turns from fail to pass), found by bisection (git
 bisect style: one change assumed per range; a base where the tests cannot
 tell, an error, is skipped and a neighbour probed). With --commits and
 --repo the answer is a commit of a real vLLM clone, with its subject.
+
+--installed: the vLLM installed in a Python environment (--python PY;
+default: the Python running apply.py when vLLM is installed there, else
+$VLLM_PATCHES_PYTHON): its version and upstream commit; per patch of the
+stack pinned to that release (or --stack NAME[,NAME] / all):
+  in effect   every installed file the patch changes has the patched
+              tree's content (the whole stack applied on that release;
+              a file two patches change holds both or neither),
+  absent      every one has the release's content,
+  modified    neither: the files are named;
+and, by running its regression tests against the installed package, the
+bug: present (fail), absent (pass), or cannot tell (error, with why).
+Hashes come from the patched wheel's .dist-info/vllm_patches.json when
+apply.py wheel made it from this series, else from the stack applied on
+the release's base. The regression tests run in place when the inspected
+Python has pytest, else by the test Python (--test-python, default
+$VLLM_PATCHES_PYTHON or ./.venv) importing only the installed vllm
+package from that environment (the serving environment's own torch is
+then not the one tested). Nothing is written into that environment
+(bytecode writing is off for everything that imports from it). Exit 0:
+every needed patch in effect and no bug present (a patch that does not
+apply on the installed release and whose regression tests pass there is
+not needed); 1: otherwise; 2: bad input.
 """
 
 STATUS_EPILOG = """\
@@ -716,6 +749,8 @@ examples:
   python apply.py status --releases v0.20.0..v0.33.0 --json m.json
   python apply.py status --releases v0.20.0..v0.33.0 --stack tq --culprit
   python apply.py status --commits v0.20.2..v0.21.0 --repo ~/src/vllm --culprit
+  /srv/venv/bin/python apply.py status --installed
+  python apply.py status --installed --python /srv/venv/bin/python --json s.json
 """
 
 
@@ -772,11 +807,14 @@ def add_rebase_commands(sub: argparse._SubParsersAction) -> None:
     )
     r.set_defaults(func=cmd_rebase)
     common(r, "stack", "repo", "python", "offline")
+    add_status_command(sub)
 
+
+def add_status_command(sub: argparse._SubParsersAction) -> None:
     s = sub.add_parser(
         "status",
-        formatter_class=fmt,
-        help="patch x base matrix; culprit search",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        help="patch x base matrix; culprit search; an installed vLLM",
         description=STATUS_HELP,
         epilog=STATUS_EPILOG,
     )
@@ -793,6 +831,28 @@ def add_rebase_commands(sub: argparse._SubParsersAction) -> None:
         help="per patch, bisect the bases for where it stops applying and "
         "where its bug is absorbed upstream",
     )
+    s.add_argument(
+        "--installed",
+        action="store_true",
+        help="check the vLLM installed in --python's environment",
+    )
+    s.add_argument(
+        "--test-python",
+        metavar="PY",
+        help="with --installed: the Python that runs the regression tests "
+        "(default: the inspected one if it has pytest, else $VLLM_PATCHES_PYTHON, "
+        "./.venv)",
+    )
+    s.add_argument(
+        "--no-tests",
+        action="store_true",
+        help="with --installed: files and imports only",
+    )
     s.add_argument("--json", help="write the report here")
+    s.add_argument(
+        "--python",
+        default=argparse.SUPPRESS,
+        help="Python that runs the tests; with --installed: the environment inspected",
+    )
     s.set_defaults(func=cmd_status)
-    common(s, "stack", "repo", "python", "offline")
+    common(s, "stack", "repo", "offline")
