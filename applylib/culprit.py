@@ -28,43 +28,67 @@ from .testrun import Outcome, aggregate, test_python
 
 
 def around(mid: int, lo: int, hi: int) -> Iterator[int]:
-    """mid, then its neighbours in (lo, hi), nearest first, lower first."""
-    yield mid
+    """The bases to try for one bisection step in (lo, hi): mid; where it
+    cannot tell, halving toward lo, then toward hi (a block of bases that
+    cannot tell at one end, e.g. test drift that grows with distance from
+    the patch's base, is crossed in log steps); then every other base
+    between, nearest first."""
+    order = [mid]
+    a = mid
+    while a - lo > 1:
+        a = (lo + a) // 2
+        order.append(a)
+    b = mid
+    while hi - b > 1:
+        b = (b + hi + 1) // 2
+        order.append(b)
     for d in range(1, hi - lo):
-        for i in (mid - d, mid + d):
-            if lo < i < hi:
-                yield i
+        order += [mid - d, mid + d]
+    yield from dict.fromkeys(i for i in order if lo < i < hi)
 
 
-def first_change(n: int, probe: Callable[[int], bool | None]) -> dict:
+def first_change(
+    n: int, probe: Callable[[int], bool | None], max_skips: int | None = None
+) -> dict:
     """Bisect the indices 0..n-1 for the first one where the state has
     changed. probe(i): True (as at the start), False (changed), None
-    (cannot tell: skipped). -1 stands for 'before the range' (as at the
-    start) and n for 'after it' (changed), so no end is probed unless the
-    bisection gets there.
+    (cannot tell: skipped, and other bases tried). -1 stands for 'before
+    the range' (as at the start) and n for 'after it' (changed), so no end
+    is probed unless the bisection gets there. After `max_skips` probes
+    that cannot tell, it stops where it is.
 
     Returns last_same (-1: changed already at the start of the range),
     first_changed (n: not within the range), cannot_tell (the skipped
-    indices between them: where the change may also be) and probed (every
-    index probed, in order)."""
+    indices between them), not_probed (the others between them) and probed
+    (every index probed, in order)."""
     lo, hi = -1, n
     known: dict[int, bool | None] = {}
-    while hi - lo > 1:
+
+    def decide() -> int | None:
         for i in around((lo + hi) // 2, lo, hi):
             if i not in known:
+                skips = sum(v is None for v in known.values())
+                if max_skips is not None and 0 <= max_skips <= skips:
+                    return None
                 known[i] = probe(i)
             if known[i] is not None:
-                break
-        else:
-            break  # every index between lo and hi cannot tell
+                return i
+        return None
+
+    while hi - lo > 1:
+        i = decide()
+        if i is None:
+            break  # every base between lo and hi cannot tell, or no more skips
         if known[i]:
             lo = i
         else:
             hi = i
+    between = range(lo + 1, hi)
     return {
         "last_same": lo,
         "first_changed": hi,
-        "cannot_tell": sorted(i for i, v in known.items() if v is None and lo < i < hi),
+        "cannot_tell": [i for i in between if i in known],
+        "not_probed": [i for i in between if i not in known],
         "probed": list(known),
     }
 
@@ -165,6 +189,7 @@ def answer(revs: list[str], found: dict, repo: Path | None) -> dict:
         "first": revs[hi] if hi < n else None,
         "last_before": revs[lo] if lo >= 0 else None,
         "cannot_tell": [revs[i] for i in found["cannot_tell"]],
+        "not_probed": [revs[i] for i in found["not_probed"]],
         "probed": [revs[i] for i in found["probed"]],
     }
     if kind == "between":
@@ -183,7 +208,7 @@ QUESTIONS = {
 
 def words(x: dict, key: str) -> str:
     """One answer in words: the cell of the table."""
-    _, same, changed = QUESTIONS[key]
+    _, same, _ = QUESTIONS[key]
     first, last = label(x["first"] or ""), label(x["last_before"] or "")
     return {
         "unknown": "cannot tell in the range",
@@ -216,10 +241,14 @@ def cmd_culprit(
     results = []
     for p in prober.patches:
         print(f"  {short(p.file)}: where it stops applying", flush=True)
-        found = first_change(len(revs), lambda i, p=p: prober.applies(revs[i], p))
+        found = first_change(
+            len(revs), lambda i, p=p: prober.applies(revs[i], p), args.max_skips
+        )
         stops = answer(revs, found, repo)
         print(f"  {short(p.file)}: where its bug is absorbed", flush=True)
-        found = first_change(len(revs), lambda i, p=p: prober.bug_present(revs[i], p))
+        found = first_change(
+            len(revs), lambda i, p=p: prober.bug_present(revs[i], p), args.max_skips
+        )
         absorbed = answer(revs, found, repo)
         results.append({"file": p.file, "stops_applying": stops, "absorbed": absorbed})
     print_culprits(results, len(revs), prober)
@@ -272,6 +301,11 @@ def print_culprits(results: list[dict], n: int, prober: Prober) -> None:
                 why = o.reason if key == "absorbed" and o is not None else ""
                 why = why or (prober.applied.get(rev) or (None, None, ""))[2]
                 print(f"  {name}: {verb}: cannot tell at {label(rev)}: {why}")
+            if x["not_probed"]:
+                print(
+                    f"  {name}: {verb}: not probed (--max-skips reached): "
+                    + ", ".join(map(label, x["not_probed"]))
+                )
     print(
         "probes: bases tried for 'stops applying' + for 'bug absorbed', of all in "
         "the range"

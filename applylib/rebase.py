@@ -832,6 +832,14 @@ def add_status_command(sub: argparse._SubParsersAction) -> None:
         "where its bug is absorbed upstream",
     )
     s.add_argument(
+        "--max-skips",
+        type=int,
+        default=4,
+        metavar="N",
+        help="with --culprit: stop a search after N bases that cannot tell "
+        "(default 4; a negative number: never)",
+    )
+    s.add_argument(
         "--installed",
         action="store_true",
         help="check the vLLM installed in --python's environment",

@@ -159,12 +159,21 @@ def test_first_change_unit() -> None:
             got = first_change(n, probe)
             assert (got["last_same"], got["first_changed"]) == (k - 1, k)
             assert len(seen) <= math.ceil(math.log2(n + 1)) + 1
-    # errors (None) are skipped; the change is still found
-    states = [True] * 3 + [False] * 4 + [None] * 12
-    got = first_change(len(states), lambda i: states[i])
-    assert (got["last_same"], got["first_changed"]) == (2, 3)
+    # errors (None) are skipped; a block of them at either end is crossed
+    # in log steps, and the change is still found
+    for states, want in (([True] * 3 + [False] * 4 + [None] * 12, (2, 3)),
+                         ([None] * 6 + [True] * 3 + [False] * 10, (8, 9))):
+        got = first_change(len(states), lambda i, s=states: s[i])
+        assert (got["last_same"], got["first_changed"]) == want
+        assert len(got["probed"]) <= 6, got
     # nothing but errors above the last 'True': cannot tell after it
     states = [True] * 5 + [None] * 6
     got = first_change(len(states), lambda i: states[i])
     assert got["last_same"] == 4 and got["first_changed"] == len(states)
-    assert got["cannot_tell"] == list(range(5, 11))
+    assert got["cannot_tell"] == list(range(5, 11)) and got["not_probed"] == []
+    # ... and with a budget of skips, it stops and says what it did not probe
+    states = [True] * 5 + [None] * 14
+    got = first_change(len(states), lambda i: states[i], max_skips=4)
+    assert got["last_same"] == 4 and got["first_changed"] == len(states)
+    assert len(got["cannot_tell"]) == 4 and len(got["not_probed"]) == 10
+    assert sorted(got["cannot_tell"] + got["not_probed"]) == list(range(5, 19))
