@@ -571,10 +571,12 @@ def print_stack_result(st: dict) -> None:
             f"the stack applied on {b['rev']} ({b['commit'][:12]}, from {b['source']})"
         )
     print(f"== stack {st['name']} (pinned to {st['pin']}): judged against {against}")
-    rows = [("patch", "installed", "bug", "regression tests")]
+    tested = any(p["regression"] for p in st["patches"])
+    rows = [("patch", "installed", "bug", "regression tests")[: 4 if tested else 2]]
     for p in st["patches"]:
         verdict = p["regression"]["verdict"] if p["regression"] else "not run"
-        rows.append((short(p["file"]), p["installed"], p["bug"], verdict))
+        row = (short(p["file"]), p["installed"], p["bug"], verdict)
+        rows.append(row[: 4 if tested else 2])
     for line in table(rows):
         print("  " + line)
     for p in st["patches"]:

@@ -378,6 +378,18 @@ def test_wheel_fixture_round_trip(dx: Fixture) -> None:
         man = json.loads(b.read(f"{info}/vllm_patches.json"))
         assert man["files"] == rep["files"] and man["stack"] == "fx"
         assert [x["file"] for x in man["patches"]] == patches
+        # what status --installed compares installed files with
+        assert man["patches"][2]["files"] == ["vllm/mod.py"]
+        assert man["file_hashes"] == {
+            "vllm/legacy.py": {"release": record_b64(b"OLD = 1\n"),
+                               "patched": None},
+            "vllm/mod.py": {"release": record_b64(MOD.encode()),
+                            "patched": record_b64(FIX_BOTH.encode())},
+            "vllm/v1/attention/backends/tq.py": {
+                "release": record_b64(TQ_V1.encode()),
+                "patched": record_b64(b"THRESHOLD = 64\n")},
+            "vllm/v1/attention/backends/tq_helper.py": {
+                "release": None, "patched": record_b64(NEW_PY.encode())}}
     # deterministic: the same series on the same wheel gives the same bytes
     data = whl.read_bytes()
     p = dx.run("wheel", "--repo", str(dx.upstream), "--from-wheel", str(src),

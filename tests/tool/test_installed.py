@@ -6,11 +6,13 @@ apply.py wheel are installed with pip into a fresh virtual environment (its
 own site-packages empty, the test environment's packages behind it through
 a .pth file, so it has pytest as a developer's venv might).
 
-Real part: the official vLLM 0.20.2 wheel installed --no-deps over the test
-environment's torch, then the wheel apply.py builds from this project's tq
-stack installed over it, then one of its files altered by hand. The parts
-that run the real regression tests are marked slow (minutes each, the
-Triton interpreter on CPU).
+Real part (marked slow: VLLM_PATCHES_SLOW=1 or -m slow): the official vLLM
+0.20.2 wheel installed --no-deps over the test environment's torch, then the
+wheel apply.py builds from this project's tq stack installed over it, then
+one of its files altered by hand. The regression tests take minutes there
+(the Triton interpreter on CPU), and the venv and wheel another two; without
+them, the real release's patched wheel is still checked by status
+--installed in test_deliver's serving-image recipe.
 
 Every run checks that nothing was written into the inspected environment.
 """
@@ -293,6 +295,7 @@ def test_real_patched_wheel(real_patched: dict) -> None:
     assert "all 4 files as built" in p.stdout
 
 
+@pytest.mark.slow
 def test_real_patched_file_altered(real_patched: dict) -> None:
     """(c) that venv with one patched file altered by hand: modified, named
     (files and imports only: the regression tests are (b)'s)."""
