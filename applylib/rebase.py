@@ -35,6 +35,7 @@ from .core import (
     format_patch,
     git,
     gout,
+    rev_commit,
     say,
 )
 from .pinned import fetched_dir
@@ -728,17 +729,35 @@ def print_matrix(patches: list[Patch], columns: list[dict]) -> None:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
+    if args.installed:
+        if args.bases or args.releases or args.commits or args.culprit:
+            raise UserError(
+                "--installed takes no --bases, --releases, --commits or --culprit"
+            )
+        from .installed import cmd_installed
+
+        return cmd_installed(args)
+    if args.test_python or args.no_tests:
+        raise UserError("--test-python and --no-tests go with --installed")
     series = parse_series(Path(args.series))
     check_agreement(series)
     stack = series.stack(args.stack)
     user_repo = find_user_repo(args.repo)
-    if bool(args.bases) == bool(args.releases):
-        raise UserError("give one of --bases A,B,... or --releases A..B")
-    revs = (
-        args.bases.split(",")
-        if args.bases
-        else parse_range(args.releases, user_repo, args.offline)
-    )
+    if sum(map(bool, (args.bases, args.releases, args.commits))) != 1:
+        raise UserError(
+            "give one of --installed, --bases A,B,..., --releases A..B or "
+            "--commits A..B (with --repo)"
+        )
+    if args.commits:
+        revs = commit_range(args.commits, user_repo)
+    elif args.bases:
+        revs = args.bases.split(",")
+    else:
+        revs = parse_range(args.releases, user_repo, args.offline)
+    if args.culprit:
+        from .culprit import cmd_culprit
+
+        return cmd_culprit(series, stack, revs, user_repo, args)
     columns = [status_column(series, stack, rev, user_repo, args) for rev in revs]
     print_matrix([load_patch(series, p) for p in stack.patches], columns)
     report = {
@@ -751,6 +770,69 @@ def cmd_status(args: argparse.Namespace) -> int:
         Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
         print(f"report: {args.json}")
     return 0
+
+
+STATUS_HELP = """\
+Three questions about the series and vLLM versions.
+
+--bases / --releases / --commits: a patch x base matrix. For each base,
+apply the stack and run each patch's regression tests at its position on
+the unpatched base: clean / 3way / conflict / not-needed per patch, every
+cell measured.
+
+--culprit (with one of those): per patch, the first base where it stops
+applying, and the first where its bug is absorbed upstream (its
+regression verdict turns from fail to pass), found by bisection (git
+bisect style: one change assumed per range; a base where the tests cannot
+tell, an error, is skipped and a neighbour probed). With --commits and
+--repo the answer is a commit of a real vLLM clone, with its subject.
+
+--installed: the vLLM installed in a Python environment (--python PY;
+default: the Python running apply.py when vLLM is installed there, else
+$VLLM_PATCHES_PYTHON): its version and upstream commit; per patch of the
+stack pinned to that release (or --stack NAME[,NAME] / all):
+  in effect   every installed file the patch changes has the patched
+              tree's content (the whole stack applied on that release;
+              a file two patches change holds both or neither),
+  absent      every one has the release's content,
+  modified    neither: the files are named;
+and, by running its regression tests against the installed package, the
+bug: present (fail), absent (pass), or cannot tell (error, with why).
+Hashes come from the patched wheel's .dist-info/vllm_patches.json when
+apply.py wheel made it from this series, else from the stack applied on
+the release's base. The regression tests run in place when the inspected
+Python has pytest, else by the test Python (--test-python, default
+$VLLM_PATCHES_PYTHON or ./.venv) importing only the installed vllm
+package from that environment (the serving environment's own torch is
+then not the one tested). Nothing is written into that environment
+(bytecode writing is off for everything that imports from it). Exit 0:
+every needed patch in effect and no bug present (a patch that does not
+apply on the installed release and whose regression tests pass there is
+not needed); 1: otherwise; 2: bad input.
+"""
+
+STATUS_EPILOG = """\
+examples:
+  python apply.py status --bases v0.20.2,v0.21.0
+  python apply.py status --releases v0.20.0..v0.33.0 --json m.json
+  python apply.py status --releases v0.20.0..v0.33.0 --stack tq --culprit
+  python apply.py status --commits v0.20.2..v0.21.0 --repo ~/src/vllm --culprit
+  /srv/venv/bin/python apply.py status --installed
+  python apply.py status --installed --python /srv/venv/bin/python --json s.json
+"""
+
+
+def commit_range(text: str, user_repo: Path | None) -> list[str]:
+    """A..B in --repo: A, then the first-parent commits after it up to B."""
+    lo, sep, hi = text.partition("..")
+    if not sep or not lo or not hi:
+        raise UserError(f"range '{text}' is not A..B")
+    if user_repo is None:
+        raise UserError("--commits needs --repo (a vLLM git clone)")
+    start = rev_commit(user_repo, lo)
+    if start is None or rev_commit(user_repo, hi) is None:
+        raise UserError(f"unknown revision in '{text}' in {user_repo}")
+    return [start] + parse_range(f"{start}..{hi}", user_repo, True)
 
 
 def add_rebase_commands(sub: argparse._SubParsersAction) -> None:
@@ -800,19 +882,60 @@ def add_rebase_commands(sub: argparse._SubParsersAction) -> None:
     )
     r.set_defaults(func=cmd_rebase)
     common(r, "stack", "repo", "python", "offline", "fetched")
+    add_status_command(sub)
 
+
+def add_status_command(sub: argparse._SubParsersAction) -> None:
     s = sub.add_parser(
         "status",
-        formatter_class=fmt,
-        help="patch x base matrix, measured",
-        description="For each base, apply the stack and run the regression "
-        "tests on the unpatched base: clean / 3way / conflict / not-needed per "
-        "patch, every cell measured.",
-        epilog="examples:\n  python apply.py status --bases v0.20.2,v0.21.0\n"
-        "  python apply.py status --releases v0.20.0..v0.33.0 --json m.json",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        help="patch x base matrix; culprit search; an installed vLLM",
+        description=STATUS_HELP,
+        epilog=STATUS_EPILOG,
     )
     s.add_argument("--bases", help="comma-separated revisions")
     s.add_argument("--releases", metavar="A..B", help="every release in A..B")
-    s.add_argument("--json", help="write the matrix here")
+    s.add_argument(
+        "--commits",
+        metavar="A..B",
+        help="the first-parent commits of --repo from A (included) to B",
+    )
+    s.add_argument(
+        "--culprit",
+        action="store_true",
+        help="per patch, bisect the bases for where it stops applying and "
+        "where its bug is absorbed upstream",
+    )
+    s.add_argument(
+        "--max-skips",
+        type=int,
+        default=4,
+        metavar="N",
+        help="with --culprit: stop a search after N bases that cannot tell "
+        "(default 4; a negative number: never)",
+    )
+    s.add_argument(
+        "--installed",
+        action="store_true",
+        help="check the vLLM installed in --python's environment",
+    )
+    s.add_argument(
+        "--test-python",
+        metavar="PY",
+        help="with --installed: the Python that runs the regression tests "
+        "(default: the inspected one if it has pytest, else $VLLM_PATCHES_PYTHON, "
+        "./.venv)",
+    )
+    s.add_argument(
+        "--no-tests",
+        action="store_true",
+        help="with --installed: files and imports only",
+    )
+    s.add_argument("--json", help="write the report here")
+    s.add_argument(
+        "--python",
+        default=argparse.SUPPRESS,
+        help="Python that runs the tests; with --installed: the environment inspected",
+    )
     s.set_defaults(func=cmd_status)
-    common(s, "stack", "repo", "python", "offline", "fetched")
+    common(s, "stack", "repo", "offline", "fetched")

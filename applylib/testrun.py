@@ -146,7 +146,9 @@ def run_tests(
         plugins = scratch / "plugins"
         plugins.mkdir()
         shutil.copy(PLUGIN, plugins / "vllm_patches_plugin.py")
-        env = dict(os.environ, **tree_env(tree, scratch), **(extra_env or {}))
+        env = dict(os.environ)
+        env.update(tree_env(tree, scratch))
+        env.update(extra_env or {})
         env["PYTHONPATH"] = os.pathsep.join([str(plugins), env["PYTHONPATH"]])
         env.update(
             PYTHONUNBUFFERED="1",

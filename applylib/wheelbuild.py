@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import base64
 import hashlib
 import json
 import os
@@ -130,6 +131,30 @@ def tree_blobs(repo: Path, rev: str, paths: list[str]) -> dict[str, tuple[str, s
             mode, _, oid = meta.split()
             blobs[path] = (mode, oid)
     return blobs
+
+
+def record_hash(data: bytes) -> str:
+    """sha256 as a wheel's RECORD writes it."""
+    digest = hashlib.sha256(data).digest()
+    return "sha256=" + base64.urlsafe_b64encode(digest).rstrip(b"=").decode()
+
+
+def blob_hashes(repo: Path, rev: str, paths: list[str]) -> dict[str, str]:
+    """{path: RECORD-style sha256} of the given paths that exist at `rev`."""
+    return {
+        path: record_hash(git("cat-file", "blob", oid, cwd=repo).stdout)
+        for path, (_, oid) in tree_blobs(repo, rev, paths).items()
+    }
+
+
+def file_hashes(
+    repo: Path, old: str, new: str, paths: list[str]
+) -> dict[str, dict[str, str | None]]:
+    """For each path, its hash in the release and in the patched tree
+    (None where it does not exist): what status --installed compares an
+    installed file with."""
+    release, patched = blob_hashes(repo, old, paths), blob_hashes(repo, new, paths)
+    return {p: {"release": release.get(p), "patched": patched.get(p)} for p in paths}
 
 
 def git_blob_id(data: bytes) -> str:
@@ -293,6 +318,8 @@ def cmd_wheel(args: argparse.Namespace) -> int:
                     f"file (mode {mode}); a wheel cannot carry it"
                 )
             data[path] = git("cat-file", "blob", oid, cwd=wt).stdout
+        every = sorted({f for p in patches for f in p.files})
+        hashes = file_hashes(wt, base.commit, head, every)
     notes = differing_files(src, changes, old, base.rev, args.force)
     src_size = src.stat().st_size
     h = hashlib.sha256()
@@ -349,10 +376,17 @@ def cmd_wheel(args: argparse.Namespace) -> int:
                     "file": p.file,
                     "subject": p.subject,
                     "upstream_status": (p.values("Upstream-Status") or [""])[0],
+                    "files": p.files,
                 }
                 for p in patches
             ],
             "files": shipped,
+            # what status --installed compares the installed files with
+            "file_hashes": {
+                path: h
+                for path, h in hashes.items()
+                if PurePosixPath(path).parts[0] in tops
+            },
         }
         if base.assembled:  # the pinned files it ships besides the patches
             manifest["assembled"] = base.assembled

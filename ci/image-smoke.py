@@ -1,49 +1,44 @@
 #!/usr/bin/env python3
 """Smoke check of a serving image with the patched vLLM wheel (build time).
 
-    python3 image-smoke.py /tmp/vllm-patched/vllm-0.20.2+tq.<hash>-....whl
+    python3 <project>/ci/image-smoke.py /tmp/vllm-patched/vllm-0.20.2+tq.<hash>-....whl
 
 Run by ci/Dockerfile.serving right after `pip install --no-deps` of that
-wheel. Against the wheel file it checks that:
+wheel, from the copy of the project the build was given (apply.py,
+applylib/, series, patches/). It is the check anyone runs on their own
+environment, `apply.py status --installed`, run inside the image by the
+image's Python:
 
-1. the installed vllm distribution and ``vllm.__version__`` are the wheel's
-   version (a local version naming the series, e.g. 0.20.2+tq.1a2b3c4d);
-2. every file the series changed or added (listed by apply.py wheel in the
-   wheel's .dist-info/vllm_patches.json) is installed with the sha256 the
-   wheel's RECORD gives, and every file it deleted is gone;
-3. the patched modules import, from those installed files. A module that
-   needs a package this image does not have (e.g. a ROCm-only module in a
-   CUDA image) is reported and not counted as a failure.
+1. the installed vllm's files against what the patched wheel recorded of
+   itself (.dist-info/vllm_patches.json: every file each patch changes,
+   with its patched and its release content): every patch of the stack in
+   effect, every changed file as built (the wheel's RECORD), and the
+   patched modules import from those files (a module that needs a package
+   this image lacks, e.g. a ROCm-only one, is noted and not counted);
+2. with --no-tests: the image has no pytest, and no GPU at build time;
+3. besides, the installed vllm is that wheel: the same version and the
+   same series digest, and the project copy is the series the wheel was
+   made from (so no base repository, network or git is needed).
 
 Standard library only. Exit 0: ok; 1: a check failed; 2: bad usage.
 """
 
 from __future__ import annotations
 
-import base64
-import csv
-import hashlib
-import importlib
-import importlib.metadata as md
-import io
 import json
+import os
+import subprocess
 import sys
+import tempfile
 import zipfile
 from pathlib import Path
 
+PROJECT = Path(__file__).resolve().parent.parent
 MANIFEST = "vllm_patches.json"
 
 
-def sha256_record(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as fh:
-        for chunk in iter(lambda: fh.read(1 << 20), b""):
-            h.update(chunk)
-    return "sha256=" + base64.urlsafe_b64encode(h.digest()).rstrip(b"=").decode()
-
-
-def read_wheel(whl: Path) -> tuple[str, dict, dict[str, str]]:
-    """The wheel's version, its apply.py manifest, and RECORD's hashes."""
+def read_wheel(whl: Path) -> tuple[str, dict]:
+    """The wheel's version and its apply.py manifest."""
     with zipfile.ZipFile(whl) as zf:
         infos = {n.split("/")[0] for n in zf.namelist()
                  if n.split("/")[0].endswith(".dist-info")}
@@ -58,75 +53,68 @@ def read_wheel(whl: Path) -> tuple[str, dict, dict[str, str]]:
         except KeyError:
             raise SystemExit(f"{whl.name}: no {info}/{MANIFEST}: not a wheel "
                              "made by apply.py wheel") from None
-        with zf.open(f"{info}/RECORD") as fh:
-            rows = csv.reader(io.TextIOWrapper(fh, encoding="utf-8", newline=""))
-            record = {r[0]: r[1] for r in rows if r}
-    return version, manifest, record
+    return version, manifest
+
+
+def series_mismatch(manifest: dict) -> str | None:
+    """Why the project copy is not the series the wheel was made from."""
+    sys.dont_write_bytecode = True
+    sys.path.insert(0, str(PROJECT))
+    from applylib.series import parse_series
+
+    series = parse_series(PROJECT / "series")
+    stack = next((s for s in series.stacks if s.name == manifest["stack"]), None)
+    if stack is None or series.digest(stack) != manifest["series_sha256"]:
+        return (f"the project copy's series ({PROJECT / 'series'}) is not the "
+                f"one the wheel was made from (stack {manifest['stack']}, "
+                f"digest {manifest['series_sha256'][:16]})")
+    return None
 
 
 def main(argv: list[str]) -> int:
     if len(argv) != 1 or not argv[0].endswith(".whl"):
-        print(__doc__.split("\n\n")[1], file=sys.stderr)
         print("usage: image-smoke.py WHEEL (exactly one .whl)", file=sys.stderr)
         return 2
     whl = Path(argv[0])
-    version, manifest, record = read_wheel(whl)
-    failed: list[str] = []
-    notes: list[str] = []
-
-    dist = md.distribution("vllm")
-    if dist.version != version:
-        failed.append(f"installed vllm is {dist.version}, the wheel {version}")
-    import vllm
-
-    if vllm.__version__ != version:
-        failed.append(f"vllm.__version__ is {vllm.__version__}, not {version}")
-
-    files = manifest["files"]
-    for path, status in files.items():
-        installed = Path(str(dist.locate_file(path)))
-        if status == "D":
-            if installed.exists():
-                failed.append(f"{path}: deleted by the series, still installed")
-        elif not installed.is_file():
-            failed.append(f"{path}: not installed")
-        elif sha256_record(installed) != record.get(path):
-            failed.append(f"{path}: installed content differs from the wheel's")
-
-    imported = 0
-    for path, status in files.items():
-        if failed:  # importing a wrong install proves nothing
-            notes.append("patched modules not imported: the install is wrong")
-            break
-        if status == "D" or not path.endswith(".py") or "/" not in path:
-            continue
-        name = path[:-3].replace("/", ".").removesuffix(".__init__")
-        installed = Path(str(dist.locate_file(path))).resolve()
-        try:
-            mod = importlib.import_module(name)
-        except ModuleNotFoundError as e:
-            if e.name and e.name.split(".")[0] != "vllm":
-                notes.append(f"{name}: not importable in this image "
-                             f"(needs {e.name})")
-                continue
-            failed.append(f"{name}: import failed: {e!r}")
-            continue
-        except Exception as e:  # noqa: BLE001 - any failure fails the check
-            failed.append(f"{name}: import failed: {e!r}")
-            continue
-        got = Path(mod.__file__ or "").resolve()
-        if got != installed:
-            failed.append(f"{name}: imported from {got}, not {installed}")
-        else:
-            imported += 1
-
-    for n in notes:
-        print(f"image-smoke: note: {n}")
+    version, manifest = read_wheel(whl)
+    why = series_mismatch(manifest)
+    if why:  # else status would look for the release's base to judge by
+        print(f"image-smoke: FAILED: {why}")
+        return 1
+    with tempfile.TemporaryDirectory(prefix="image-smoke-") as tmp:
+        out = Path(tmp) / "status.json"
+        env = dict(os.environ, VLLM_PATCHES_CACHE=str(Path(tmp) / "cache"))
+        proc = subprocess.run(
+            [sys.executable, "-B", str(PROJECT / "apply.py"), "status",
+             "--installed", "--no-tests", "--offline", "--python", sys.executable,
+             "--series", str(PROJECT / "series"), "--json", str(out)],
+            env=env, cwd=tmp)
+        if not out.is_file():
+            print(f"image-smoke: FAILED: apply.py status --installed: exit "
+                  f"{proc.returncode}, no report")
+            return 1
+        rep = json.loads(out.read_text())
+    failed = []
+    if rep["vllm"]["version"] != version:
+        failed.append(f"installed vllm is {rep['vllm']['version']}, the wheel "
+                      f"{version}")
+    wheel = rep.get("wheel") or {}
+    if wheel.get("series_sha256") != manifest["series_sha256"]:
+        failed.append("the installed vllm was not made from this wheel's series")
+    kinds = {st["reference"]["kind"] for st in rep["stacks"]}
+    if kinds != {"wheel manifest"}:
+        failed.append(f"the project copy ({PROJECT / 'series'}) is not the "
+                      "series the wheel was made from")
+    if proc.returncode != 0:
+        failed.append(f"apply.py status --installed: exit {proc.returncode}")
     for f in failed:
         print(f"image-smoke: FAILED: {f}")
+    patches = [p for st in rep["stacks"] for p in st["patches"]]
     print(f"image-smoke: vllm {version} (stack {manifest['stack']}, "
-          f"{len(manifest['patches'])} patch(es)): {len(files)} file(s) checked, "
-          f"{imported} patched modules imported: "
+          f"{len(patches)} patch(es)): "
+          f"{sum(p['installed'] == 'in-effect' for p in patches)} in effect, "
+          f"{wheel.get('as_built', 0)} of {wheel.get('files', 0)} file(s) as "
+          f"built, {len(rep['imports']['ok'])} patched module(s) imported: "
           + ("FAILED" if failed else "ok"))
     return 1 if failed else 0
 

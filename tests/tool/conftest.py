@@ -84,6 +84,24 @@ def test_scale_regression():
 '''
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers", "slow: minutes long; run with VLLM_PATCHES_SLOW=1 or -m slow")
+
+
+def pytest_collection_modifyitems(config: pytest.Config,
+                                  items: list[pytest.Item]) -> None:
+    """Slow tests run only when asked for: VLLM_PATCHES_SLOW=1, or a -m
+    expression that names them."""
+    if os.environ.get("VLLM_PATCHES_SLOW") or "slow" in (
+            config.getoption("markexpr") or ""):
+        return
+    skip = pytest.mark.skip(reason="slow: set VLLM_PATCHES_SLOW=1 (or -m slow)")
+    for item in items:
+        if "slow" in item.keywords:
+            item.add_marker(skip)
+
+
 def real_cache() -> Path:
     """The tool's default cache, where release wheels are kept."""
     if os.environ.get("VLLM_PATCHES_CACHE"):

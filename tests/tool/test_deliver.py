@@ -378,6 +378,18 @@ def test_wheel_fixture_round_trip(dx: Fixture) -> None:
         man = json.loads(b.read(f"{info}/vllm_patches.json"))
         assert man["files"] == rep["files"] and man["stack"] == "fx"
         assert [x["file"] for x in man["patches"]] == patches
+        # what status --installed compares installed files with
+        assert man["patches"][2]["files"] == ["vllm/mod.py"]
+        assert man["file_hashes"] == {
+            "vllm/legacy.py": {"release": record_b64(b"OLD = 1\n"),
+                               "patched": None},
+            "vllm/mod.py": {"release": record_b64(MOD.encode()),
+                            "patched": record_b64(FIX_BOTH.encode())},
+            "vllm/v1/attention/backends/tq.py": {
+                "release": record_b64(TQ_V1.encode()),
+                "patched": record_b64(b"THRESHOLD = 64\n")},
+            "vllm/v1/attention/backends/tq_helper.py": {
+                "release": None, "patched": record_b64(NEW_PY.encode())}}
     # deterministic: the same series on the same wheel gives the same bytes
     data = whl.read_bytes()
     p = dx.run("wheel", "--repo", str(dx.upstream), "--from-wheel", str(src),
@@ -828,12 +840,24 @@ def test_dockerfile_context(tmp_path: Path) -> None:
     files = ["apply.py", "series", "patches/tq/0001-x.patch", ".venv/bin/python",
              "ci/test.sh", "ci/image-smoke.py", "ci/Dockerfile.serving",
              "dist/vllm-0.20.2+tq.1a2b3c4d-cp38-abi3-manylinux_2_35_x86_64.whl",
-             "dist/notes.txt", "tests/tool/conftest.py", "build/x"]
+             "dist/notes.txt", "tests/tool/conftest.py", "build/x",
+             "applylib/cli.py", "applylib/__pycache__/cli.cpython-311.pyc",
+             "README.md", "tests/patches/test_tq_hybrid.py"]
     sent = [f for f in files if not docker_ignored(f, patterns)]
-    assert sent == ["ci/image-smoke.py", "dist/vllm-0.20.2+tq.1a2b3c4d-cp38-"
-                    "abi3-manylinux_2_35_x86_64.whl"]
-    assert copies == [["${WHEEL}", "ci/image-smoke.py", "${STAGE}/"]]
-    assert (ROOT / "ci" / "image-smoke.py").is_file()
+    assert sorted(sent) == [
+        "apply.py", "applylib/cli.py", "ci/image-smoke.py",
+        "dist/vllm-0.20.2+tq.1a2b3c4d-cp38-abi3-manylinux_2_35_x86_64.whl",
+        "patches/tq/0001-x.patch", "series"]
+    assert copies == [["${WHEEL}", "${STAGE}/"],
+                      ["apply.py", "series", "${STAGE}/project/"],
+                      ["applylib/", "${STAGE}/project/applylib/"],
+                      ["patches/", "${STAGE}/project/patches/"],
+                      ["ci/image-smoke.py", "${STAGE}/project/ci/"]]
+    # what the smoke check runs is in the context
+    for path in ("apply.py", "series", "ci/image-smoke.py"):
+        assert not docker_ignored(path, patterns) and (ROOT / path).is_file()
+    for f in (ROOT / "applylib").glob("*.py"):
+        assert not docker_ignored(f"applylib/{f.name}", patterns)
     assert len(runs) == 1 and "pip install --no-deps" in runs[0]
 
 
@@ -845,21 +869,28 @@ def test_image_recipe_in_venv(real: dict, real_wheel: dict,
     a .pth file, as the image's are. No GPU: CUDA_VISIBLE_DEVICES=""."""
     args, _, copies, runs = dockerfile()
     whl = real_wheel["path"]
-    ctx = tmp_path / "ctx"  # the build context: the project root's layout
-    (ctx / "dist").mkdir(parents=True)
-    (ctx / "ci").mkdir()
+    ctx = tmp_path / "ctx"  # the build context: the project root's layout,
+    (ctx / "dist").mkdir(parents=True)  # the series the wheel was made from
     (ctx / "dist" / whl.name).symlink_to(whl)
-    (ctx / "ci" / "image-smoke.py").write_bytes(
-        (ROOT / "ci" / "image-smoke.py").read_bytes())
+    shutil.copytree(ROOT / "applylib", ctx / "applylib",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copytree(real["proj"] / "patches", ctx / "patches")
+    for f in ("apply.py", "ci/image-smoke.py"):
+        (ctx / f).parent.mkdir(parents=True, exist_ok=True)
+        (ctx / f).write_bytes((ROOT / f).read_bytes())
+    (ctx / "series").write_bytes((real["proj"] / "series").read_bytes())
     build_args = {**args, "WHEEL": f"dist/{whl.name}",
                   "STAGE": str(tmp_path / "stage")}
-    for copy in copies:  # COPY src... dest/
+    for copy in copies:  # COPY src... dest/ (a directory: its contents)
         *srcs, dest = [expand(x, build_args) for x in copy]
         Path(dest).mkdir(parents=True, exist_ok=True)
         for s in srcs:
-            matched = list(ctx.glob(s))
+            matched = list(ctx.glob(s.rstrip("/")))
             assert len(matched) == 1, s
-            shutil.copyfile(matched[0], Path(dest) / matched[0].name)
+            if matched[0].is_dir():
+                shutil.copytree(matched[0], dest, dirs_exist_ok=True)
+            else:
+                shutil.copyfile(matched[0], Path(dest) / matched[0].name)
     venv = tmp_path / "venv"
     subprocess.run([PY, "-m", "venv", "--without-pip", str(venv)], check=True)
     site = next((venv / "lib").glob("python3*/site-packages"))
@@ -878,8 +909,9 @@ def test_image_recipe_in_venv(real: dict, real_wheel: dict,
         assert r.returncode == 0, r.stdout + r.stderr
     print(f"\nDockerfile RUN in a venv: {time.monotonic() - t0:.1f} s")
     version = real_wheel["version"]
-    assert (f"image-smoke: vllm {version} (stack tq, 1 patch(es)): 2 file(s) "
-            "checked, 2 patched modules imported: ok") in r.stdout
+    assert (f"image-smoke: vllm {version} (stack tq, 1 patch(es)): 1 in effect, "
+            "2 of 2 file(s) as built, 2 patched module(s) imported: ok") in r.stdout
+    assert f"installed from vllm-{version} (apply.py wheel): stack tq" in r.stdout
     assert not (tmp_path / "stage").exists()  # the RUN cleans up
     show = subprocess.run(["python3", "-m", "pip", "show", "vllm"], env=env,
                           capture_output=True, text=True)
@@ -905,12 +937,29 @@ def test_image_recipe_in_venv(real: dict, real_wheel: dict,
             assert got == digest_, path
     assert (site / REAL_NEW).read_text() == NEW_PY
     # a broken install fails the smoke check (and so the image build)
+    stage = tmp_path / "stage2"
+    shutil.copytree(ctx, stage, symlinks=True)
     (site / TQ).write_text((site / TQ).read_text() + "# tampered\n")
-    r = subprocess.run(["python3", str(ROOT / "ci" / "image-smoke.py"),
+    r = subprocess.run(["python3", str(stage / "ci" / "image-smoke.py"),
                         str(whl)], env=env, capture_output=True, text=True,
                        timeout=600)
-    assert r.returncode == 1
-    assert f"FAILED: {TQ}: installed content differs" in r.stdout
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert (f"tq/0001: modified: {TQ} (neither the patched nor the release's "
+            "content)") in r.stdout
+    assert "image-smoke: FAILED: apply.py status --installed: exit 1" in r.stdout
+    # a project copy that is not the wheel's series fails it too
+    (site / TQ).write_text((site / TQ).read_text().replace("# tampered\n", ""))
+    (stage / "series").write_text((ROOT / "series").read_text())
+    for f in (ROOT / "patches").rglob("*.patch"):
+        dest = stage / "patches" / f.relative_to(ROOT / "patches")
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        dest.write_bytes(f.read_bytes())
+    (stage / "patches" / "tq" / "0001-mark.patch").unlink()
+    r = subprocess.run(["python3", str(stage / "ci" / "image-smoke.py"),
+                        str(whl)], env=env, capture_output=True, text=True,
+                       timeout=600)
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert "is not the one the wheel was made from (stack tq" in r.stdout
 
 
 # --------------------------------------------------------------------------
