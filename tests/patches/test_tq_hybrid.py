@@ -61,6 +61,7 @@ import importlib.util
 import logging
 import math
 import os
+import re
 import sys
 import types
 from pathlib import Path
@@ -282,6 +283,17 @@ def engine_config(
     ).create_engine_config()
 
 
+def hybrid_engine_config(hf_config: Any, model_dir: Path, **kwargs: Any) -> Any:
+    """``engine_config`` for tests beyond the gate: a tree that refuses
+    TurboQuant on hybrids (v0.20.x) fails them with that finding."""
+    try:
+        return engine_config(hf_config, model_dir, **kwargs)
+    except NotImplementedError as e:
+        if re.search(GATE, str(e)):
+            pytest.fail(f"TurboQuant refused on a hybrid (the gate): {e}")
+        raise
+
+
 def attention_layer_indices(vllm_config: Any) -> list[int]:
     """Decoder indices of attention layers, read the way the models do."""
     text_config = vllm_config.model_config.hf_text_config
@@ -351,6 +363,42 @@ def build_kv_cache_specs(vllm_config: Any, monkeypatch) -> tuple[dict, dict]:
     return specs, backends
 
 
+def build_dense_kv_cache_specs(vllm_config: Any, monkeypatch) -> tuple[dict, dict]:
+    """``build_kv_cache_specs`` for a dense model: every layer attention."""
+    import vllm.model_executor.layers.attention.attention as attention
+    from vllm.config import set_current_vllm_config
+    from vllm.platforms.interface import Platform
+    from vllm.v1.attention.backends.flash_attn import FlashAttentionBackend
+    from vllm.v1.attention.backends.turboquant_attn import (
+        TurboQuantAttentionBackend,
+    )
+
+    def select_backend(head_size, dtype, kv_cache_dtype, **kwargs):
+        if kv_cache_dtype.startswith("turboquant_"):
+            return TurboQuantAttentionBackend
+        return FlashAttentionBackend
+
+    monkeypatch.setattr(attention, "get_attn_backend", select_backend)
+    model_config = vllm_config.model_config
+    parallel_config = vllm_config.parallel_config
+    with set_current_vllm_config(vllm_config):
+        layers = [
+            attention.Attention(
+                model_config.get_num_attention_heads(parallel_config),
+                model_config.get_head_size(),
+                1.0,
+                num_kv_heads=model_config.get_num_kv_heads(parallel_config),
+                cache_config=vllm_config.cache_config,
+                prefix=f"model.layers.{i}.self_attn.attn",
+            )
+            for i in range(model_config.hf_text_config.num_hidden_layers)
+        ]
+    Platform.update_block_size_for_backend(vllm_config)
+    with set_current_vllm_config(vllm_config):
+        specs = {x.layer_name: h.runner_kv_cache_spec(x, vllm_config) for x in layers}
+    return specs, {x.layer_name: x.get_attn_backend() for x in layers}
+
+
 def check_kv_cache_specs(
     vllm_config: Any,
     specs: dict,
@@ -359,8 +407,11 @@ def check_kv_cache_specs(
     preset: str,
     tq_layers: list[int],
     native_layers: list[int],
+    raise_grouping_errors: bool = False,
 ) -> None:
-    """The invariants the KV cache manager and the runner rely on."""
+    """The invariants the KV cache manager and the runner rely on. A KV
+    cache grouping that raises fails the test with its message (the
+    regression test keeps the exception, for its signature)."""
     from vllm.config import set_current_vllm_config
     from vllm.v1.kv_cache_interface import AttentionSpec, MambaSpec
     from vllm.v1.worker.utils import select_common_block_size
@@ -390,7 +441,12 @@ def check_kv_cache_specs(
 
     # The KV cache manager gives all groups one physical page size; it raises
     # when a layer's page does not divide the largest one.
-    groups = h.kv_cache_groups(vllm_config, specs)
+    try:
+        groups = h.kv_cache_groups(vllm_config, specs)
+    except NotImplementedError as e:
+        if raise_grouping_errors:
+            raise
+        pytest.fail(f"KV cache grouping fails: {e}")
     pages = {g.kv_cache_spec.page_size_bytes for g in groups}
     assert len(pages) == 1
     (page,) = pages
@@ -418,7 +474,10 @@ def check_kv_cache_specs(
     mamba_pages = {
         specs[f"model.layers.{i}.mixer"].page_size_bytes for i in by_kind["mamba"]
     }
-    assert mamba_pages == {page}
+    assert mamba_pages == {page}, (
+        f"Mamba state pages {mamba_pages} differ from the shared page {page}: "
+        "the KV cache manager pads them again"
+    )
     # Padded unless the state happens to fill whole attention pages already.
     assert cache_config.mamba_page_size_padded in (None, page)
     unit = math.lcm(tq_token, native_token) if native_layers else tq_token
@@ -477,13 +536,12 @@ def test_hybrid_engine_config_accepts_turboquant(engine_env, tmp_path, name):
 # --------------------------------------------------------------------------
 
 
-@pytest.mark.bug_signature(NotImplementedError, GATE)
 @pytest.mark.parametrize("name", sorted(HYBRIDS))
 def test_hybrid_tq_layers_are_full_attention_layers(
     engine_env, tq_log, kv_cache_utils, monkeypatch, tmp_path, name
 ):
     make_config, expected = HYBRIDS[name]
-    vllm_config = engine_config(make_config(), tmp_path)
+    vllm_config = hybrid_engine_config(make_config(), tmp_path)
     assert f"TQ hybrid: full-attention layers {expected}" in tq_log.messages
     # Boundary skips are attention layers only; none by default on a
     # hybrid, and none of v0.20.2's raw decoder indices (which are Mamba /
@@ -503,7 +561,6 @@ def test_hybrid_tq_layers_are_full_attention_layers(
     )
 
 
-@pytest.mark.bug_signature(NotImplementedError, GATE)
 @pytest.mark.parametrize("name", sorted(HYBRIDS))
 def test_hybrid_user_skip_layers_keep_native_dtype(
     engine_env, kv_cache_utils, monkeypatch, tmp_path, name
@@ -512,7 +569,7 @@ def test_hybrid_user_skip_layers_keep_native_dtype(
     # The first and last attention layers, plus layer 0 (not an attention
     # layer in any of these models: it has no KV cache to keep).
     skipped = [expected[0], expected[-1]]
-    vllm_config = engine_config(
+    vllm_config = hybrid_engine_config(
         make_config(), tmp_path, skip_layers=[str(i) for i in [0, *skipped]]
     )
     specs, backends = build_kv_cache_specs(vllm_config, monkeypatch)
@@ -541,7 +598,6 @@ def test_dense_skip_layers_unchanged(engine_env, tmp_path, num_layers, user_skip
     assert not vllm_config.model_config.is_hybrid
 
 
-@pytest.mark.bug_signature(AssertionError, GATE)
 @pytest.mark.parametrize(
     "name, make_config",
     [
@@ -555,11 +611,16 @@ def test_hybrid_without_attention_layer_is_rejected(
     """A clear error, not a TurboQuant cache on no layer. The wording is
     tq/0003's or upstream's (v0.21.0+: "requires identifiable full-attention
     layers, but none were found"); v0.20.x refuses every hybrid."""
-    with pytest.raises(
-        NotImplementedError,
-        match=r"full-attention layers.*(none could be identified|none were found)",
-    ):
+    with pytest.raises(NotImplementedError) as refused:
         engine_config(make_config(), tmp_path)
+    message = str(refused.value)
+    assert not re.search(GATE, message), (
+        f"refused by the gate on every hybrid, not for lack of attention "
+        f"layers: {message}"
+    )
+    assert re.search(
+        r"full-attention layers.*(none could be identified|none were found)", message
+    ), message
 
 
 def test_full_attention_layer_conventions(vllm_tree):
@@ -623,31 +684,30 @@ def test_hybrid_page_planner_uses_tq_slot(
         "turboquant_4bit_nc",
         tq_layers=expected,
         native_layers=[],
+        raise_grouping_errors=True,
     )
 
 
-@pytest.mark.bug_signature(NotImplementedError, GATE)
 @pytest.mark.parametrize("preset", TQ_PRESETS)
 @pytest.mark.parametrize("name", sorted(HYBRIDS))
 def test_hybrid_page_size_unifies_with_mamba(
     engine_env, kv_cache_utils, monkeypatch, tmp_path, name, preset
 ):
     make_config, expected = HYBRIDS[name]
-    vllm_config = engine_config(make_config(), tmp_path, kv_cache_dtype=preset)
+    vllm_config = hybrid_engine_config(make_config(), tmp_path, kv_cache_dtype=preset)
     specs, backends = build_kv_cache_specs(vllm_config, monkeypatch)
     check_kv_cache_specs(
         vllm_config, specs, backends, kv_cache_utils, preset, expected, []
     )
 
 
-@pytest.mark.bug_signature(NotImplementedError, GATE)
 @pytest.mark.parametrize("preset", TQ_PRESETS)
 def test_hybrid_page_size_unifies_with_skip_layers(
     engine_env, kv_cache_utils, monkeypatch, tmp_path, preset
 ):
     _, expected = HYBRIDS["qwen3_5_9b"]
     skipped = [expected[0], expected[-1]]
-    vllm_config = engine_config(
+    vllm_config = hybrid_engine_config(
         qwen3_5_9b(),
         tmp_path,
         kv_cache_dtype=preset,
@@ -691,7 +751,6 @@ def hybrid_shapes(draw) -> dict[str, Any]:
     )
 
 
-@pytest.mark.bug_signature(NotImplementedError, GATE)
 @settings(
     max_examples=20,
     deadline=None,
@@ -709,7 +768,7 @@ def test_hybrid_kv_cache_specs_consistent(
         hidden_size=shape["num_attention_heads"] * shape["head_dim"],
         **shape,
     )
-    vllm_config = engine_config(
+    vllm_config = hybrid_engine_config(
         hf_config,
         tmp_path_factory.mktemp("model"),
         kv_cache_dtype=preset,
@@ -738,24 +797,25 @@ def test_hybrid_kv_cache_specs_consistent(
 AUTO_DTYPE = r"Unknown TurboQuant cache dtype: 'auto'"
 
 
-@pytest.mark.bug_signature(NotImplementedError, GATE)
-@pytest.mark.bug_signature(ValueError, AUTO_DTYPE)
-@pytest.mark.parametrize("preset", ["turboquant_k8v4", "turboquant_4bit_nc"])
-def test_hybrid_runner_shapes_tq_kv_cache(
-    engine_env, kv_cache_utils, monkeypatch, tmp_path, preset
-):
-    """The model runner allocates and shapes the KV cache of a small
-    Qwen3-Next-like hybrid (three linear-attention layers, one full-attention
-    layer): each TurboQuant layer gets a uint8 cache of its packed slots.
+def small_dense() -> Any:
+    """A Llama with 8 layers (TurboQuant on 2..5, boundary layers native)."""
+    from transformers import LlamaConfig
 
-    vllm#50709, "Unknown TurboQuant cache dtype: 'auto'" at start-up of
-    hybrids on 0.25.0 / 0.26.0: the V1 runner's _reshape_kv_cache_tensors
-    passes cache_dtype_str="auto" for every layer whose spec has
-    kv_quant_mode NONE, which TurboQuant's spec has (introduced for skip
-    layers, v0.25.0); from v0.27.0 TurboQuant specs carry their own quant
-    mode (vllm#50533), and from v0.29.0 the TurboQuant backend has no
-    get_kv_cache_shape (the runner allocates by layout)."""
-    hf_config = qwen3_next(
+    return LlamaConfig(
+        num_hidden_layers=8,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=128,
+        hidden_size=512,
+        max_position_embeddings=4096,
+        vocab_size=1024,
+        architectures=["LlamaForCausalLM"],
+    )
+
+
+def small_hybrid() -> Any:
+    """Qwen3-Next-like: three linear-attention layers, then full attention."""
+    return qwen3_next(
         num_hidden_layers=4,
         layer_types=["linear_attention"] * 3 + ["full_attention"],
         num_attention_heads=4,
@@ -767,8 +827,34 @@ def test_hybrid_runner_shapes_tq_kv_cache(
         linear_key_head_dim=64,
         linear_value_head_dim=64,
     )
+
+
+@pytest.mark.bug_signature(ValueError, AUTO_DTYPE)
+@pytest.mark.bug_signature(NotImplementedError, GATE)
+@pytest.mark.parametrize("model", ["hybrid", "dense"])
+def test_runner_shapes_tq_kv_cache(
+    engine_env, kv_cache_utils, monkeypatch, tmp_path, model
+):
+    """The model runner allocates and shapes the KV cache it planned: each
+    TurboQuant layer gets a uint8 cache of its packed slots, every layer a
+    cache.
+
+    vllm#50709, "Unknown TurboQuant cache dtype: 'auto'" at start-up, reported
+    for hybrids on 0.25.0 / 0.26.0: the V1 runner's _reshape_kv_cache_tensors
+    passes cache_dtype_str="auto" for every layer whose spec has
+    kv_quant_mode NONE (meant for skip layers, v0.25.0), which TurboQuant's
+    spec has, and TurboQuantAttentionBackend.get_kv_cache_shape cannot size
+    "auto". Not hybrid-specific (the dense case shows it too). From v0.27.0
+    TurboQuant specs carry their own quant mode (vllm#50533); from v0.29.0 the
+    runner allocates by layout and the backend has no get_kv_cache_shape.
+    The hybrid case also fails on v0.20.x, with the gate's signature."""
+    preset = "turboquant_k8v4"
+    hf_config = small_hybrid() if model == "hybrid" else small_dense()
     vllm_config = engine_config(hf_config, tmp_path, kv_cache_dtype=preset)
-    specs, backends = build_kv_cache_specs(vllm_config, monkeypatch)
+    if model == "hybrid":
+        specs, backends = build_kv_cache_specs(vllm_config, monkeypatch)
+    else:
+        specs, backends = build_dense_kv_cache_specs(vllm_config, monkeypatch)
     (kv_cache_config,) = h.kv_cache_configs(vllm_config, [specs], [64 * 2**20])
     kv_caches = h.runner_kv_caches(vllm_config, kv_cache_config, backends)
 
@@ -776,15 +862,16 @@ def test_hybrid_runner_shapes_tq_kv_cache(
     model_config = vllm_config.model_config
     num_kv_heads = model_config.get_num_kv_heads(vllm_config.parallel_config)
     slot = tq_slot_bytes(preset, model_config.get_head_size())
-    (tq_name,) = [name for name, spec in specs.items() if h.is_turboquant_spec(spec)]
-    cache = kv_caches[tq_name]
-    spec = specs[tq_name]
-    # (blocks, block, heads, slot) or head-major; kernel blocks may split a
-    # manager block.
-    assert cache.dtype == torch.uint8 and cache.dim() == 4
-    assert cache.shape[-1] == slot and num_kv_heads in cache.shape[1:3]
-    tokens = cache.shape[0] * cache.shape[1] * cache.shape[2] // num_kv_heads
-    assert tokens == kv_cache_config.num_blocks * spec.block_size
+    tq_names = [name for name, spec in specs.items() if h.is_turboquant_spec(spec)]
+    assert tq_names
+    for name in tq_names:
+        cache = kv_caches[name]
+        # (blocks, block, heads, slot) or head-major; kernel blocks may split
+        # a manager block.
+        assert cache.dtype == torch.uint8 and cache.dim() == 4
+        assert cache.shape[-1] == slot and num_kv_heads in cache.shape[1:3]
+        tokens = cache.shape[0] * cache.shape[1] * cache.shape[2] // num_kv_heads
+        assert tokens == kv_cache_config.num_blocks * specs[name].block_size
 
 
 # --------------------------------------------------------------------------

@@ -441,15 +441,22 @@ def runner_kv_caches(
     ``allocate_kv_cache`` that replaced them (v0.29.0+). ``backends`` maps
     attention layer names to their backend; kernel block sizes come from the
     tree's ``prepare_kernel_block_sizes``, as in ``initialize_kv_cache``."""
+    from vllm.config import set_current_vllm_config
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
     from vllm.v1.worker.utils import AttentionGroup, prepare_kernel_block_sizes
 
     group_fields = {f.name for f in dataclasses.fields(AttentionGroup)}
     attn_groups = []
     for gid, group in enumerate(kv_cache_config.kv_cache_groups):
-        by_backend: dict[Any, list[str]] = {}
+        # As the runner's initialize_attn_backend: one attention group per
+        # (backend, layer spec) of the KV cache group (a dense model's one
+        # group holds TurboQuant and skipped layers' specs side by side).
+        by_key: dict[tuple[Any, Any], list[str]] = {}
         for name in group.layer_names:
-            by_backend.setdefault(backends.get(name), []).append(name)
+            spec = group.kv_cache_spec
+            if hasattr(spec, "kv_cache_specs"):  # UniformTypeKVCacheSpecs
+                spec = spec.kv_cache_specs[name]
+            by_key.setdefault((backends.get(name), spec), []).append(name)
         attn_groups.append(
             [
                 AttentionGroup(
@@ -458,31 +465,33 @@ def runner_kv_caches(
                         for k, v in dict(
                             backend=backend,
                             layer_names=names,
-                            kv_cache_spec=group.kv_cache_spec,
+                            kv_cache_spec=spec,
                             kv_cache_group_id=gid,
                         ).items()
                         if k in group_fields
                     }
                 )
-                for backend, names in by_backend.items()
+                for (backend, spec), names in by_key.items()
             ]
         )
-    kernel_block_sizes = prepare_kernel_block_sizes(kv_cache_config, attn_groups)
     device = torch.device("cpu")
-    if hasattr(GPUModelRunner, "_reshape_kv_cache_tensors"):
-        runner = object.__new__(GPUModelRunner)
-        runner.__dict__.update(
-            device=device,
-            vllm_config=vllm_config,
-            model_config=vllm_config.model_config,
-            cache_config=vllm_config.cache_config,
-            kv_cache_config=kv_cache_config,
-            attn_groups=attn_groups,
-            runner_only_attn_layers=set(),
-        )
-        raw = runner._allocate_kv_cache_tensors(kv_cache_config)
-        return runner._reshape_kv_cache_tensors(raw, kernel_block_sizes)
-    from vllm.v1.worker.utils import allocate_kv_cache
+    # The worker wrapper runs initialize_from_config under the config.
+    with set_current_vllm_config(vllm_config):
+        kernel_block_sizes = prepare_kernel_block_sizes(kv_cache_config, attn_groups)
+        if hasattr(GPUModelRunner, "_reshape_kv_cache_tensors"):
+            runner = object.__new__(GPUModelRunner)
+            runner.__dict__.update(
+                device=device,
+                vllm_config=vllm_config,
+                model_config=vllm_config.model_config,
+                cache_config=vllm_config.cache_config,
+                kv_cache_config=kv_cache_config,
+                attn_groups=attn_groups,
+                runner_only_attn_layers=set(),
+            )
+            raw = runner._allocate_kv_cache_tensors(kv_cache_config)
+            return runner._reshape_kv_cache_tensors(raw, kernel_block_sizes)
+        from vllm.v1.worker.utils import allocate_kv_cache
 
-    layout = vllm_config.cache_config.get_resolved_kv_cache_layout()
-    return allocate_kv_cache(kv_cache_config, device, layout, kernel_block_sizes)
+        layout = vllm_config.cache_config.get_resolved_kv_cache_layout()
+        return allocate_kv_cache(kv_cache_config, device, layout, kernel_block_sizes)
