@@ -69,6 +69,8 @@ specs_per_worker, memory_per_worker)``
 ``host_ints(x)``
     A metadata host copy (a list, or a CPU tensor upstream) as a list of
     Python ints.
+``tree_root()``
+    The root of the vLLM tree under test.
 ``runner_kv_caches(vllm_config, kv_cache_config, backends)``
     The per-layer KV cache tensors the tree's model runner allocates and
     shapes for a KV cache config (on CPU).
@@ -330,6 +332,13 @@ def common_attn_metadata(**fields: Any) -> Any:
 
 def cam_replace(cam: Any, **fields: Any) -> Any:
     return cam.replace(**_known(fields))
+
+
+def tree_root() -> Path:
+    """The root of the vLLM tree under test (the directory holding vllm/)."""
+    import vllm
+
+    return Path(vllm.__file__).resolve().parents[1]
 
 
 def host_ints(values: Any) -> list[int]:
