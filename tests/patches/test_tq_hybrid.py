@@ -350,13 +350,14 @@ def build_kv_cache_specs(vllm_config: Any, monkeypatch) -> tuple[dict, dict]:
         model_cls.get_mamba_state_shape_from_config(vllm_config),
         model_cls.get_mamba_state_dtype_from_config(vllm_config),
     )
+    attn_specs = h.runner_kv_cache_specs(vllm_config)
     specs: dict[str, Any] = {}
     backends: dict[str, Any] = {}
     with set_current_vllm_config(vllm_config):
         for i in range(model_config.hf_text_config.num_hidden_layers):
             if i in layers:
                 layer = layers[i]
-                specs[layer.layer_name] = h.runner_kv_cache_spec(layer, vllm_config)
+                specs[layer.layer_name] = attn_specs[layer.layer_name]
                 backends[layer.layer_name] = layer.get_attn_backend()
             else:
                 name = f"model.layers.{i}.mixer"
@@ -395,8 +396,7 @@ def build_dense_kv_cache_specs(vllm_config: Any, monkeypatch) -> tuple[dict, dic
             for i in range(model_config.hf_text_config.num_hidden_layers)
         ]
     Platform.update_block_size_for_backend(vllm_config)
-    with set_current_vllm_config(vllm_config):
-        specs = {x.layer_name: h.runner_kv_cache_spec(x, vllm_config) for x in layers}
+    specs = h.runner_kv_cache_specs(vllm_config)
     return specs, {x.layer_name: x.get_attn_backend() for x in layers}
 
 

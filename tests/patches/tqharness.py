@@ -24,10 +24,12 @@ API (used by test_tq_host_metadata.py and test_tq_hybrid.py):
 ``build_tq_attention(vllm_config, num_heads, head_size, num_kv_heads, index)``
     A real ``Attention`` layer on the TurboQuant backend (it registers itself
     in the config's forward context, so build each name once per config).
-``runner_kv_cache_spec(layer, vllm_config)``
-    The layer's KV cache spec as the model runner makes it (the backend's
-    ``customize_spec`` / ``customize_attention_spec`` applied where the
-    release has them).
+``runner_kv_cache_specs(vllm_config)`` / ``runner_kv_cache_spec(layer,
+vllm_config)``
+    The KV cache specs of the registered layers as the tree's model runner
+    makes them (its own ``get_kv_cache_spec``: what the backend adds to a
+    layer's spec, e.g. ``indexes_kv_by_block_stride`` or ``customize_spec``,
+    comes with it).
 ``is_turboquant_spec(spec)``
     TurboQuant layer spec: ``TQFullAttentionSpec`` (up to v0.27.x) or a spec
     whose ``kv_quant_mode`` is a TurboQuant mode (v0.28.0+).
@@ -201,21 +203,22 @@ def build_tq_attention(
         )
 
 
+def runner_kv_cache_specs(vllm_config: Any) -> dict[str, Any]:
+    """The KV cache specs the tree's V1 model runner makes of the layers
+    registered in ``vllm_config`` (``GPUModelRunner.get_kv_cache_spec``, called
+    on a runner object holding only what it reads): each layer's own spec plus
+    what the runner adds, e.g. ``indexes_kv_by_block_stride`` from the backend
+    (v0.24.0-v0.28.0) or the backend's ``customize_spec`` (v0.28.0+)."""
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    runner = object.__new__(GPUModelRunner)
+    runner.__dict__.update(vllm_config=vllm_config, shared_kv_cache_layers={})
+    return GPUModelRunner.get_kv_cache_spec(runner)
+
+
 def runner_kv_cache_spec(layer: Any, vllm_config: Any) -> Any:
-    """What the model runner's get_kv_cache_spec makes of an attention layer:
-    the layer's spec, then the backend's customization where the tree has it
-    (v0.28.0+: TurboQuant sizes its packed slot there)."""
-    spec = layer.get_kv_cache_spec(vllm_config)
-    backend = layer.get_attn_backend()
-    try:
-        from vllm.v1.worker.utils import customize_attention_spec
-    except ImportError:
-        customize_attention_spec = None
-    if customize_attention_spec is not None:
-        return customize_attention_spec(backend, spec)
-    if hasattr(backend, "customize_spec"):
-        return backend.customize_spec(spec)
-    return spec
+    """One registered layer's spec, as the model runner makes it."""
+    return runner_kv_cache_specs(vllm_config)[layer.layer_name]
 
 
 def is_turboquant_spec(spec: Any) -> bool:
