@@ -1,0 +1,509 @@
+"""Release-portable building blocks for the TurboQuant targeted tests.
+
+The tq tests run against every vLLM release from v0.20.0 on. The code they
+test stays put, but what surrounds it moves: the metadata builder and the
+impl read a real ``VllmConfig`` (v0.24.0 / v0.28.0), the KV cache turns
+head-major behind a transpose (v0.26.0) and loses ``get_kv_cache_shape`` for
+a layout enum (v0.29.0), TurboQuant's spec class goes (v0.28.0), fields of
+``CommonAttentionMetadata`` go (v0.30.0), planner functions move
+(v0.33.0). Each helper here finds what the tree under test has by probing
+its API (``hasattr``, ``inspect.signature``, dataclass fields, imports),
+never by its version string, and does what that tree's model runner does.
+
+Everything imports vLLM lazily: this module is imported at collection time,
+before ``VLLM_TREE`` is on ``sys.path``.
+
+API (used by test_tq_host_metadata.py and test_tq_hybrid.py):
+
+``write_tiny_model(path, ...)``
+    A local HF ``config.json`` (Qwen3 architecture, no weights).
+``make_vllm_config(model_dir, preset=..., block_size=..., max_model_len=...)``
+    A real ``VllmConfig`` through ``EngineArgs.create_engine_config``.
+``inspect_models_in_process(monkeypatch)``
+    Model-class inspection without vLLM's subprocess (a faster config).
+``build_tq_attention(vllm_config, num_heads, head_size, num_kv_heads, index)``
+    A real ``Attention`` layer on the TurboQuant backend (it registers itself
+    in the config's forward context, so build each name once per config).
+``runner_kv_cache_specs(vllm_config)`` / ``runner_kv_cache_spec(layer,
+vllm_config)``
+    The KV cache specs of the registered layers as the tree's model runner
+    makes them (its own ``get_kv_cache_spec``: what the backend adds to a
+    layer's spec, e.g. ``indexes_kv_by_block_stride`` or ``customize_spec``,
+    comes with it).
+``is_turboquant_spec(spec)``
+    TurboQuant layer spec: ``TQFullAttentionSpec`` (up to v0.27.x) or a spec
+    whose ``kv_quant_mode`` is a TurboQuant mode (v0.28.0+).
+``tq_config(preset, head_size)`` / ``tq_slot_size(preset, head_size)``
+    The tree's ``TurboQuantConfig`` for a preset, and its packed slot bytes.
+``TQCache`` / ``new_tq_kv_cache(num_blocks, block_size, num_kv_heads,
+head_size, preset, generator=..., device=...)``
+    A KV cache of random bytes laid out as the tree's runner lays it out:
+    ``.runner`` is the tensor the runner passes to ``do_kv_cache_update`` and
+    ``forward`` (``(nb, bs, Hk, slot)`` up to v0.25.1, the head-major
+    ``(nb, Hk, bs, slot)`` view from v0.26.0); ``.slots`` is a
+    ``(nb, bs, Hk, slot)`` view of the same storage, the indexing TurboQuant's
+    kernels use, for references that read the bytes back.
+``common_attn_metadata(**fields)`` / ``cam_replace(cam, **fields)``
+    ``CommonAttentionMetadata`` with the fields the tree has; the optional
+    CPU mirrors it lacks (``_seq_lens_cpu``, ``_num_computed_tokens_cpu``,
+    gone in v0.30.0) are dropped, as that tree's runner cannot pass them.
+``cam_has_field(name)``
+    Whether the tree's ``CommonAttentionMetadata`` has that field.
+``kv_cache_planning()``
+    The module with ``get_kv_cache_groups`` / ``get_kv_cache_configs``
+    (``kv_cache_planning`` from v0.33.0, ``kv_cache_utils`` before).
+``kv_cache_groups(vllm_config, specs)`` / ``kv_cache_configs(vllm_config,
+specs_per_worker, memory_per_worker)``
+    KV cache grouping and configs as the engine core computes them: the KV
+    cache layout resolved first where the tree resolves one (v0.29.0+, from
+    the backends of the layers registered in the config), and
+    ``get_global_kv_cache_groups``'s result passed along (v0.33.0).
+``resolve_kv_cache_layout(vllm_config, specs)``
+    That layout step alone (a no-op before v0.29.0 and once resolved).
+``full_attention_layer_indices()``
+    The tree's finder of a hybrid's full-attention layers
+    (``get_full_attention_layer_indices`` with tq/0003,
+    ``_get_full_attention_layer_indices`` upstream from v0.21.0), or None.
+``mamba_state_layer(shapes, dtypes)``
+    A ``MambaBase`` whose state shapes and dtypes are given: its
+    ``get_kv_cache_spec`` is the tree's own (properties the base class
+    grows, e.g. ``is_kv_cache_tp_replicated`` in v0.29.0, come with it).
+``host_ints(x)``
+    A metadata host copy (a list, or a CPU tensor upstream) as a list of
+    Python ints.
+``tree_root()``
+    The root of the vLLM tree under test.
+``runner_kv_caches(vllm_config, kv_cache_config, backends)``
+    The per-layer KV cache tensors the tree's model runner allocates and
+    shapes for a KV cache config (on CPU).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+TQ_MODULE = "vllm.v1.attention.backends.turboquant_attn"
+
+
+# --------------------------------------------------------------------------
+# Config and layers, as the engine makes them
+# --------------------------------------------------------------------------
+
+
+def write_tiny_model(
+    path: Path,
+    *,
+    num_heads: int = 2,
+    num_kv_heads: int = 1,
+    head_dim: int = 128,
+    num_layers: int = 8,
+    max_position_embeddings: int = 1 << 20,
+    dtype: str = "float16",
+) -> Path:
+    """A local Qwen3 ``config.json`` (no weights): enough for EngineArgs."""
+    path.mkdir(parents=True, exist_ok=True)
+    config = {
+        "architectures": ["Qwen3ForCausalLM"],
+        "model_type": "qwen3",
+        "hidden_size": num_heads * head_dim,
+        "intermediate_size": 2 * num_heads * head_dim,
+        "num_attention_heads": num_heads,
+        "num_key_value_heads": num_kv_heads,
+        "head_dim": head_dim,
+        "num_hidden_layers": num_layers,
+        "max_position_embeddings": max_position_embeddings,
+        "vocab_size": 1024,
+        "torch_dtype": dtype,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 1000000,
+    }
+    (path / "config.json").write_text(json.dumps(config))
+    return path
+
+
+def inspect_models_in_process(monkeypatch: Any) -> None:
+    """vLLM inspects model classes in a fresh ``python -m vllm...``
+    subprocess (to keep CUDA uninitialised in the parent); a CPU test
+    process can do it in-process, which saves a second vLLM import."""
+    import vllm.model_executor.models.registry as registry
+
+    monkeypatch.setattr(registry, "_run_in_subprocess", lambda fn: fn())
+
+
+def make_vllm_config(
+    model_dir: Path,
+    *,
+    preset: str,
+    block_size: int,
+    max_model_len: int,
+    max_num_batched_tokens: int | None = None,
+    enable_chunked_prefill: bool = True,
+    max_num_seqs: int = 8,
+    dtype: torch.dtype = torch.float16,
+    kv_splits: int = 2,
+    **engine_args: Any,
+) -> Any:
+    """A real VllmConfig for the model in ``model_dir`` (CPU platform
+    installed by the caller). ``kv_splits`` keeps the decode kernel cheap in
+    Triton's interpreter."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    args = EngineArgs(
+        model=str(model_dir),
+        skip_tokenizer_init=True,
+        load_format="dummy",
+        dtype="float16" if dtype == torch.float16 else "bfloat16",
+        kv_cache_dtype=preset,
+        block_size=block_size,
+        max_model_len=max_model_len,
+        max_num_batched_tokens=max_num_batched_tokens,
+        enable_chunked_prefill=enable_chunked_prefill,
+        max_num_seqs=max_num_seqs,
+        attention_config={"tq_max_kv_splits_for_cuda_graph": kv_splits},
+        **engine_args,
+    )
+    return args.create_engine_config()
+
+
+def build_tq_attention(
+    vllm_config: Any,
+    num_heads: int,
+    head_size: int,
+    num_kv_heads: int,
+    index: int | None = None,
+) -> Any:
+    """``model.layers.{index}.self_attn.attn`` on the TurboQuant backend; by
+    default the first layer that boundary protection leaves to TurboQuant
+    (dense models keep their first and last layers in the model dtype)."""
+    import importlib
+
+    from vllm.config import set_current_vllm_config
+    from vllm.model_executor.layers.attention import Attention
+
+    backend = importlib.import_module(TQ_MODULE).TurboQuantAttentionBackend
+    if index is None:
+        skipped = {int(i) for i in vllm_config.cache_config.kv_cache_dtype_skip_layers}
+        index = min(set(range(len(skipped) + 1)) - skipped)
+    with set_current_vllm_config(vllm_config):
+        return Attention(
+            num_heads,
+            head_size,
+            head_size**-0.5,
+            num_kv_heads,
+            cache_config=vllm_config.cache_config,
+            prefix=f"model.layers.{index}.self_attn.attn",
+            attn_backend=backend,
+        )
+
+
+def runner_kv_cache_specs(vllm_config: Any) -> dict[str, Any]:
+    """The KV cache specs the tree's V1 model runner makes of the layers
+    registered in ``vllm_config`` (``GPUModelRunner.get_kv_cache_spec``, called
+    on a runner object holding only what it reads): each layer's own spec plus
+    what the runner adds, e.g. ``indexes_kv_by_block_stride`` from the backend
+    (v0.24.0-v0.28.0) or the backend's ``customize_spec`` (v0.28.0+)."""
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    runner = object.__new__(GPUModelRunner)
+    runner.__dict__.update(vllm_config=vllm_config, shared_kv_cache_layers={})
+    return GPUModelRunner.get_kv_cache_spec(runner)
+
+
+def runner_kv_cache_spec(layer: Any, vllm_config: Any) -> Any:
+    """One registered layer's spec, as the model runner makes it."""
+    return runner_kv_cache_specs(vllm_config)[layer.layer_name]
+
+
+def is_turboquant_spec(spec: Any) -> bool:
+    import vllm.v1.kv_cache_interface as kvi
+
+    tq_spec_cls = getattr(kvi, "TQFullAttentionSpec", None)
+    if tq_spec_cls is not None and isinstance(spec, tq_spec_cls):
+        return True
+    mode = getattr(spec, "kv_quant_mode", None)
+    return bool(getattr(mode, "is_turboquant", False))
+
+
+def tq_config(preset: str, head_size: int) -> Any:
+    from vllm.model_executor.layers.quantization.turboquant.config import (
+        TurboQuantConfig,
+    )
+
+    return TurboQuantConfig.from_cache_dtype(preset, head_size)
+
+
+def tq_slot_size(preset: str, head_size: int) -> int:
+    return tq_config(preset, head_size).slot_size_aligned
+
+
+# --------------------------------------------------------------------------
+# KV cache tensors
+# --------------------------------------------------------------------------
+
+
+@dataclass
+class TQCache:
+    runner: torch.Tensor  # what the runner hands to the attention layer
+    slots: torch.Tensor  # (num_blocks, block_size, num_kv_heads, slot): same bytes
+
+
+def _runner_layout(backend: Any, head_size: int, preset: str) -> tuple[bool, tuple]:
+    """(head-major?, physical order of the logical dims) of the tree's
+    TurboQuant cache. Logical: (nb, bs, Hk, slot) token-major, or
+    (nb, Hk, bs, slot) head-major."""
+    if hasattr(backend, "get_kv_cache_shape"):
+        # Distinct sizes tell the dims apart.
+        shape = backend.get_kv_cache_shape(2, 16, 3, head_size, preset)
+        head_major = tuple(shape[1:3]) == (3, 16)
+        order: tuple = (0, 1, 2, 3)
+        try:
+            stride_order = backend.get_kv_cache_stride_order()
+            if len(stride_order) == 4:
+                order = tuple(stride_order)
+        except (AttributeError, NotImplementedError):
+            pass
+        return head_major, order
+    # v0.29.0+: the logical per-layer view is (B, H, N, C); the backend names
+    # the physical layouts it reads, the runner allocates the first.
+    (layout, *_) = backend.supported_kv_cache_layouts()
+    return True, tuple(layout.layer_view_order)
+
+
+def new_tq_kv_cache(
+    num_blocks: int,
+    block_size: int,
+    num_kv_heads: int,
+    head_size: int,
+    preset: str,
+    *,
+    generator: torch.Generator,
+    device: torch.device,
+) -> TQCache:
+    """A TurboQuant KV cache of random bytes (a slot nobody wrote reads as
+    garbage), allocated as the tree's runner allocates it."""
+    import importlib
+
+    backend = importlib.import_module(TQ_MODULE).TurboQuantAttentionBackend
+    slot = tq_slot_size(preset, head_size)
+    head_major, order = _runner_layout(backend, head_size, preset)
+    logical = (
+        (num_blocks, num_kv_heads, block_size, slot)
+        if head_major
+        else (num_blocks, block_size, num_kv_heads, slot)
+    )
+    physical_shape = [logical[i] for i in order]
+    physical = torch.randint(
+        0, 256, physical_shape, dtype=torch.uint8, generator=generator
+    ).to(device)
+    inverse = [order.index(i) for i in range(4)]
+    runner = physical.permute(*inverse)
+    assert tuple(runner.shape) == logical
+    slots = runner.transpose(1, 2) if head_major else runner
+    return TQCache(runner=runner, slots=slots)
+
+
+# --------------------------------------------------------------------------
+# CommonAttentionMetadata
+# --------------------------------------------------------------------------
+
+
+def _cam_cls() -> Any:
+    from vllm.v1.attention.backend import CommonAttentionMetadata
+
+    return CommonAttentionMetadata
+
+
+def cam_has_field(name: str) -> bool:
+    return name in {f.name for f in dataclasses.fields(_cam_cls())}
+
+
+def _known(fields: dict[str, Any]) -> dict[str, Any]:
+    names = {f.name for f in dataclasses.fields(_cam_cls())}
+    return {k: v for k, v in fields.items() if k in names}
+
+
+def common_attn_metadata(**fields: Any) -> Any:
+    return _cam_cls()(**_known(fields))
+
+
+def cam_replace(cam: Any, **fields: Any) -> Any:
+    return cam.replace(**_known(fields))
+
+
+def tree_root() -> Path:
+    """The root of the vLLM tree under test (the directory holding vllm/)."""
+    import vllm
+
+    return Path(vllm.__file__).resolve().parents[1]
+
+
+def host_ints(values: Any) -> list[int]:
+    if isinstance(values, torch.Tensor):
+        assert values.device.type == "cpu", f"host copy on {values.device}"
+        return [int(v) for v in values.tolist()]
+    return [int(v) for v in values]
+
+
+# --------------------------------------------------------------------------
+# KV cache planning (hybrid models)
+# --------------------------------------------------------------------------
+
+
+def kv_cache_planning() -> Any:
+    try:
+        import vllm.v1.core.kv_cache_planning as planning
+    except ImportError:
+        import vllm.v1.core.kv_cache_utils as planning
+    return planning
+
+
+def resolve_kv_cache_layout(vllm_config: Any, specs: list[Any]) -> None:
+    """From v0.29.0 the engine core resolves one KV cache layout for the
+    model (from what the layers' backends support) before planning, and the
+    planner reads it; earlier trees have no such step."""
+    try:
+        from vllm.distributed.kv_transfer.kv_connector.utils import (
+            get_current_attn_backends,
+        )
+        from vllm.v1.attention.backends.utils import (
+            get_supported_kv_cache_layouts,
+        )
+        from vllm.v1.attention.backends.utils import (
+            resolve_kv_cache_layout as resolve,
+        )
+    except ImportError:
+        return
+    if getattr(vllm_config.cache_config, "kv_cache_layout", None) is not None:
+        return
+    backends = get_current_attn_backends(vllm_config)
+    names = [layout.name for layout in get_supported_kv_cache_layouts(backends)]
+    resolve(vllm_config, [names], specs)
+
+
+def kv_cache_groups(vllm_config: Any, specs: dict[str, Any]) -> list[Any]:
+    resolve_kv_cache_layout(vllm_config, list(specs.values()))
+    return kv_cache_planning().get_kv_cache_groups(vllm_config, specs)
+
+
+def kv_cache_configs(
+    vllm_config: Any, specs_per_worker: list[dict[str, Any]], memory: list[int]
+) -> list[Any]:
+    resolve_kv_cache_layout(
+        vllm_config, [s for specs in specs_per_worker for s in specs.values()]
+    )
+    planning = kv_cache_planning()
+    params = inspect.signature(planning.get_kv_cache_configs).parameters
+    if "global_kv_cache_groups" in params:
+        groups = planning.get_global_kv_cache_groups(vllm_config, specs_per_worker)
+        return planning.get_kv_cache_configs(
+            vllm_config, specs_per_worker, memory, groups
+        )
+    return planning.get_kv_cache_configs(vllm_config, specs_per_worker, memory)
+
+
+def full_attention_layer_indices() -> Any:
+    import vllm.model_executor.layers.quantization.turboquant.config as tq_cfg
+
+    for name in (
+        "get_full_attention_layer_indices",
+        "_get_full_attention_layer_indices",
+    ):
+        fn = getattr(tq_cfg, name, None)
+        if fn is not None:
+            return fn
+    return None
+
+
+def mamba_state_layer(shapes: Any, dtypes: Any, mamba_type: str = "mamba") -> Any:
+    """A MambaBase with the given state shapes and dtypes and nothing else
+    (building a real GDN / Mamba layer would allocate its weights)."""
+    from vllm.model_executor.layers.mamba.abstract import MambaBase
+
+    def unused(self: Any, *args: Any, **kwargs: Any) -> Any:
+        raise NotImplementedError
+
+    namespace: dict[str, Any] = {
+        "get_state_shape": lambda self: shapes,
+        "get_state_dtype": lambda self: dtypes,
+        "mamba_type": property(lambda self: mamba_type),
+    }
+    remaining = set(getattr(MambaBase, "__abstractmethods__", ())) - set(namespace)
+    namespace.update({name: unused for name in remaining})
+    cls = type("StateOnlyMamba", (MambaBase,), namespace)
+    layer = object.__new__(cls)
+    if isinstance(layer, torch.nn.Module):
+        torch.nn.Module.__init__(layer)
+    return layer
+
+
+def runner_kv_caches(
+    vllm_config: Any, kv_cache_config: Any, backends: dict[str, Any]
+) -> dict[str, Any]:
+    """Allocate and shape the KV cache of ``kv_cache_config`` with the
+    tree's model-runner code: the V1 runner's ``_allocate_kv_cache_tensors``
+    and ``_reshape_kv_cache_tensors`` (up to v0.28.0; called on a runner
+    object holding only the attributes they read), or the
+    ``allocate_kv_cache`` that replaced them (v0.29.0+). ``backends`` maps
+    attention layer names to their backend; kernel block sizes come from the
+    tree's ``prepare_kernel_block_sizes``, as in ``initialize_kv_cache``."""
+    from vllm.config import set_current_vllm_config
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+    from vllm.v1.worker.utils import AttentionGroup, prepare_kernel_block_sizes
+
+    group_fields = {f.name for f in dataclasses.fields(AttentionGroup)}
+    attn_groups = []
+    for gid, group in enumerate(kv_cache_config.kv_cache_groups):
+        # As the runner's initialize_attn_backend: one attention group per
+        # (backend, layer spec) of the KV cache group (a dense model's one
+        # group holds TurboQuant and skipped layers' specs side by side).
+        by_key: dict[tuple[Any, Any], list[str]] = {}
+        for name in group.layer_names:
+            spec = group.kv_cache_spec
+            if hasattr(spec, "kv_cache_specs"):  # UniformTypeKVCacheSpecs
+                spec = spec.kv_cache_specs[name]
+            by_key.setdefault((backends.get(name), spec), []).append(name)
+        attn_groups.append(
+            [
+                AttentionGroup(
+                    **{
+                        k: v
+                        for k, v in dict(
+                            backend=backend,
+                            layer_names=names,
+                            kv_cache_spec=spec,
+                            kv_cache_group_id=gid,
+                        ).items()
+                        if k in group_fields
+                    }
+                )
+                for (backend, spec), names in by_key.items()
+            ]
+        )
+    device = torch.device("cpu")
+    # The worker wrapper runs initialize_from_config under the config.
+    with set_current_vllm_config(vllm_config):
+        kernel_block_sizes = prepare_kernel_block_sizes(kv_cache_config, attn_groups)
+        if hasattr(GPUModelRunner, "_reshape_kv_cache_tensors"):
+            runner = object.__new__(GPUModelRunner)
+            runner.__dict__.update(
+                device=device,
+                vllm_config=vllm_config,
+                model_config=vllm_config.model_config,
+                cache_config=vllm_config.cache_config,
+                kv_cache_config=kv_cache_config,
+                attn_groups=attn_groups,
+                runner_only_attn_layers=set(),
+            )
+            raw = runner._allocate_kv_cache_tensors(kv_cache_config)
+            return runner._reshape_kv_cache_tensors(raw, kernel_block_sizes)
+        from vllm.v1.worker.utils import allocate_kv_cache
+
+        layout = vllm_config.cache_config.get_resolved_kv_cache_layout()
+        return allocate_kv_cache(kv_cache_config, device, layout, kernel_block_sizes)
