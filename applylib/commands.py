@@ -37,6 +37,7 @@ from .series import (
     load_patch,
     parse_series,
     pick_patch,
+    stale_status,
 )
 from .testrun import aggregate, run_tests, test_python
 
@@ -57,6 +58,8 @@ def cmd_check(args: argparse.Namespace) -> int:
             series, st, loaded, find_user_repo(args.repo), fetched_dir(args)
         )
     problems += lint_mutants(series)
+    for note in stale_status(series):
+        print(note)
     for pr in problems:
         print(pr)
     if problems:

@@ -52,7 +52,9 @@ from .wheelbuild import cmd_wheel
 VLLM_ISSUE = re.compile(r"^https://github\.com/vllm-project/vllm/issues/(\d+)/?$")
 
 
-PR_DROP_TRAILERS = {"bug", "upstream-status", "tests"}
+# Trailers about the series, not the change: PR commits leave them out (Bug
+# and Related become the PR body's links).
+PR_DROP_TRAILERS = {"bug", "related", "upstream-status", "upstream-target", "tests"}
 
 
 # Subject component -> vLLM's test directory for it.
@@ -402,6 +404,7 @@ def pr_message(
     for b in patch.values("Bug"):
         m = VLLM_ISSUE.match(b)
         links.append(f"FIX #{m.group(1)}" if m else f"Related: {b}")
+    links += [f"Related: {r}" for r in patch.values("Related")]
     if needs:
         links += ["", "This change applies on top of (to be merged first):"]
         links += [f"- {p.subject}" for p in needs]
@@ -686,28 +689,78 @@ def cmd_export(args: argparse.Namespace) -> int:
     body_file.write_text(body)
     patch_file = out_dir / f"{stem}.patch"  # the commit, exported as the series'
     patch_file.write_bytes(format_patch(base.repo, commit))
-    subject = patch.subject
-    remote_branch = (
-        branch.split("/", 1)[1]
-        if branch.startswith(REF_NS[len("refs/heads/") :] + "/")
-        else branch
+    exported = Exported(
+        entry, ref, branch, commit, parent, base, needs, placed, body_file, patch_file
     )
+    report_export(exported, patch, dropped, signoff, bool(ident), stem)
+    if args.json:
+        Path(args.json).write_text(json.dumps(exported.as_json(patch), indent=2) + "\n")
+    return 0
+
+
+@dataclasses.dataclass
+class Exported:
+    """What export made: the branch (ref, commit) and the files beside it."""
+
+    entry: str
+    ref: str
+    branch: str
+    commit: str
+    parent: str
+    base: Base
+    needs: list[Patch]
+    placed: list[tuple[str, str, list[str]]]
+    body_file: Path
+    patch_file: Path
+
+    def as_json(self, patch: Patch) -> dict:
+        return {
+            "patch": self.entry,
+            "ref": self.ref,
+            "repo": str(self.base.repo),
+            "commit": self.commit,
+            "parent": self.parent,
+            "base": self.base.rev,
+            "base_commit": self.base.commit,
+            "needs": [p.file for p in self.needs],
+            "tests": [{"file": d, "from": s, "adapted": a} for d, s, a in self.placed],
+            "body_file": str(self.body_file),
+            "patch_file": str(self.patch_file),
+            "target": upstream_target(patch),
+        }
+
+
+def upstream_target(patch: Patch) -> str:
+    """Where the change goes: the patch's 'Upstream-Target:', else vLLM's
+    main."""
+    return (patch.values("Upstream-Target") or ["vllm-project/vllm main"])[0]
+
+
+def report_export(
+    ex: Exported,
+    patch: Patch,
+    dropped: list[str],
+    signoff: tuple[str, str],
+    has_identity: bool,
+    stem: str,
+) -> None:
+    base = ex.base
+    print(f"{ex.ref} in {base.repo}")
+    print(f"  {ex.commit[:12]} {patch.subject}")
     on = (
         f"{base.rev} ({base.commit[:12]})"
-        if not needs
-        else f"{needs[-1].file} ({parent[:12]}) on {base.rev}"
+        if not ex.needs
+        else f"{ex.needs[-1].file} ({ex.parent[:12]}) on {base.rev}"
     )
-    print(f"{ref} in {base.repo}")
-    print(f"  {commit[:12]} {subject}")
     print(f"  parent: {on}")
-    if needs:
+    if ex.needs:
         print(
-            f"  note: {entry} does not apply on {base.rev} alone; the branch "
+            f"  note: {ex.entry} does not apply on {base.rev} alone; the branch "
             f"is based on the patches before it: "
-            f"{', '.join(p.file for p in needs)} (open those PRs first, or "
+            f"{', '.join(p.file for p in ex.needs)} (open those PRs first, or "
             "say in this one that it depends on them)"
         )
-    for dst, src, done in placed:
+    for dst, src, done in ex.placed:
         print(f"  test: {dst} (from {src}; " + ("; ".join(done) or "unchanged") + ")")
     if dropped:
         print(
@@ -716,10 +769,18 @@ def cmd_export(args: argparse.Namespace) -> int:
         )
     print(
         f"  signed off by: {signoff[0]} <{signoff[1]}>"
-        + ("" if ident else " (no git identity configured: the project's)")
+        + ("" if has_identity else " (no git identity configured: the project's)")
     )
-    print(f"  PR description: {body_file}")
-    print(f"  as a patch file: {patch_file}")
+    print(f"  PR description: {ex.body_file}")
+    print(f"  as a patch file: {ex.patch_file}")
+    if patch.values("Upstream-Target"):
+        print(f"target: {upstream_target(patch)}")
+        print(
+            "  not a PR against vllm-project/vllm main: the code it changes is "
+            "not there. Offer the patch file and description where the target "
+            "says."
+        )
+        return
     if base.source in ("cache", "pypi") and re.search(
         r"^Release: ",
         gout("log", "-1", "--format=%B", base.commit, cwd=base.repo),
@@ -731,44 +792,26 @@ def cmd_export(args: argparse.Namespace) -> int:
             "To open the PR, export in a vLLM clone "
             f"(apply.py export {stem} --repo ~/src/vllm), or carry the "
             f"commit to a branch at {base.rev} there: git -C ~/src/vllm am -k "
-            f"{patch_file}"
+            f"{ex.patch_file}"
         )
+    remote_branch = (
+        ex.branch.split("/", 1)[1]
+        if ex.branch.startswith(REF_NS[len("refs/heads/") :] + "/")
+        else ex.branch
+    )
     print(
         "to open the PR (vLLM takes PRs against main: rebase the branch there "
         "first if its base is a release):"
     )
     print(
         f"  git -C {shlex.quote(str(base.repo))} push YOUR_FORK_REMOTE "
-        f"{ref}:refs/heads/{remote_branch}"
+        f"{ex.ref}:refs/heads/{remote_branch}"
     )
     print(
         f"  gh pr create --repo vllm-project/vllm --base main --head "
-        f"YOUR_GITHUB_USER:{remote_branch} --title {shlex.quote(subject)} "
-        f"--body-file {shlex.quote(str(body_file))}"
+        f"YOUR_GITHUB_USER:{remote_branch} --title {shlex.quote(patch.subject)} "
+        f"--body-file {shlex.quote(str(ex.body_file))}"
     )
-    if args.json:
-        Path(args.json).write_text(
-            json.dumps(
-                {
-                    "patch": entry,
-                    "ref": ref,
-                    "repo": str(base.repo),
-                    "commit": commit,
-                    "parent": parent,
-                    "base": base.rev,
-                    "base_commit": base.commit,
-                    "needs": [p.file for p in needs],
-                    "tests": [
-                        {"file": d, "from": s, "adapted": a} for d, s, a in placed
-                    ],
-                    "body_file": str(body_file),
-                    "patch_file": str(patch_file),
-                },
-                indent=2,
-            )
-            + "\n"
-        )
-    return 0
 
 
 def export_test_result(

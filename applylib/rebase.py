@@ -121,8 +121,8 @@ def add_stack(
     )
     block = [
         "\n",
-        f"# The '{stack.name}' stack carried to {pins.get('tag') or pins.get('commit')}"
-        " by apply.py rebase.\n",
+        f"# The '{stack.name}' stack carried to "
+        f"{pins.get('tag') or pins.get('commit')} by apply.py rebase.\n",
         stack_directive(name, pins) + "\n",
         *(e + "\n" for e in entries),
         *(record_line(r) for r in records),
@@ -319,12 +319,19 @@ class Rebase:
     def regression_without(self, p: Patch, wt: Path) -> tuple[str, str]:
         """The patch's regression verdict on the new base (with the patches
         kept before it), and one line on why."""
+        return self.regression(p, wt, "new base without it")
+
+    def regression_with(self, p: Patch, wt: Path) -> tuple[str, str]:
+        """The same on the hand-resolved commit: it must pass."""
+        return self.regression(p, wt, "resolved by hand")
+
+    def regression(self, p: Patch, wt: Path, label: str) -> tuple[str, str]:
         res, _ = run_tests(
             self.series.root,
             wt,
             p.regression,
             test_python(self.args.python),
-            f"{p.file} regression, new base without it",
+            f"{p.file} regression, {label}",
         )
         o = ran(aggregate([res[t] for t in p.regression]))
         detail = ", ".join(f"{t}: {res[t].verdict}" for t in p.regression)
@@ -371,7 +378,10 @@ class Rebase:
         print("  resolve them there, 'git add' them, then one of:")
         print(
             f"    {cmd} --continue   # commit the resolution (git am "
-            "--continue) and go on"
+            "--continue), check it passes its regression tests, go on"
+        )
+        print(
+            "    (to reword it: git am --continue, git commit --amend, then --continue)"
         )
         print(f"    {cmd} --skip       # drop this patch from the stack and go on")
         print(f"    {cmd} --abort      # stop; series and patches stay as they were")
@@ -430,6 +440,14 @@ class Rebase:
                 f"expected exactly one commit on top of "
                 f"{st['pre_head'][:12]} in {wt} (found {head[:12]})"
             )
+        verdict, detail = self.regression_with(p, wt)
+        if verdict != "pass":
+            print(
+                f"STOPPED: the resolution of {p.file} does not pass its "
+                f"regression tests ({verdict}: {detail}).\n"
+                f"  fix it in {wt} (amend the commit), then --continue again"
+            )
+            return 1
         self.keep(p, wt, "resolved")
         return self.run()
 
@@ -558,6 +576,7 @@ def list_releases(lo: str, hi: str, user_repo: Path | None, offline: bool) -> li
             ],
             capture_output=True,
             text=True,
+            check=False,
         )
         m = re.search(r"Available versions: (.*)", proc.stdout)
         if m:

@@ -320,6 +320,10 @@ def lint_patch(series: Series, p: Patch) -> list[str]:
             f"{where}: invalid 'Upstream-Status: {st[0]}' (Pending | "
             "Submitted [URL] | Backport [ref] | Inappropriate [reason])"
         )
+    for key in ("Related", "Upstream-Target"):
+        for v in p.values(key):
+            if not re.match(r"^https?://\S+", v):
+                probs.append(f"{where}: '{key}: {v}' does not start with a URL")
     if not p.values("Tests"):
         probs.append(f"{where}: no 'Tests:' trailer")
     for t in p.tests:
@@ -415,6 +419,22 @@ def check_agreement(series: Series) -> None:
         )
     for gone in sorted(recorded - on_disk):
         raise UserError(f"series: record for missing patches/{gone}")
+
+
+def stale_status(series: Series) -> list[str]:
+    """Patches the series records not-needed on a later base (their fix is
+    upstream there) whose header still says 'Upstream-Status: Pending'."""
+    notes = []
+    for st in series.stacks:
+        for rec in st.not_needed:
+            p = load_patch(series, rec["file"])
+            if (p.values("Upstream-Status") or [""])[0] == "Pending":
+                notes.append(
+                    f"warning: patches/{rec['file']} is not needed on "
+                    f"{rec['base']} (stack {st.name}) but says 'Upstream-Status: "
+                    "Pending': name the upstream fix (Backport [...])"
+                )
+    return notes
 
 
 def pick_patch(series: Series, want: str) -> tuple[Stack, str]:

@@ -571,6 +571,37 @@ def test_export_pr_branch(dx: Fixture) -> None:
         git("worktree", "remove", "--force", str(tree), cwd=up)
 
 
+def test_export_to_a_target_off_main(dx: Fixture) -> None:
+    """A patch whose code is not on vLLM's main names where it goes
+    (Upstream-Target:): export says so instead of a PR against main, and the
+    series-only trailers stay out of the PR commit (Related: as a link)."""
+    f = dx.project / "patches" / "fx" / "0002-fix-add.patch"
+    f.write_text(f.read_text().replace(
+        "Upstream-Status: Pending\n",
+        "Related: https://example.invalid/pull/7\n"
+        "Upstream-Status: Backport [https://example.invalid/commit/1]\n"
+        "Upstream-Target: https://example.invalid/pull/8 (review comment): "
+        "main has no mod.py\n"))
+    c = dx.run("check", "--repo", str(dx.upstream))  # (its other problems:
+    assert "Related" not in c.stdout and "Upstream" not in c.stdout  # not ours)
+    p = dx.run("export", "0002", "--repo", str(dx.upstream), "--json",
+               str(dx.tmp / "e.json"))
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert ("target: https://example.invalid/pull/8 (review comment): main has "
+            "no mod.py\n  not a PR against vllm-project/vllm main") in p.stdout
+    assert "gh pr create" not in p.stdout
+    rep = json.loads((dx.tmp / "e.json").read_text())
+    assert rep["target"].startswith("https://example.invalid/pull/8 ")
+    msg = git("log", "-1", "--format=%B", rep["ref"], cwd=dx.upstream)
+    assert "Related: https://example.invalid/pull/7\n" in msg  # a body link
+    assert "Upstream-Target" not in msg and "Upstream-Status" not in msg
+    # a Related: that is not a URL is a lint problem
+    f.write_text(f.read_text().replace(
+        "Related: https://example.invalid/pull/7", "Related: PR 7"))
+    c = dx.run("check", "--repo", str(dx.upstream))
+    assert "'Related: PR 7' does not start with a URL" in c.stdout, c.stdout
+
+
 def test_export_dependent_patch_and_identity(dx: Fixture) -> None:
     env = with_identity(dx.tmp)
     p = dx.run("export", "fx/0003-fix-scale.patch", "--repo", str(dx.upstream),

@@ -107,8 +107,18 @@ def test_not_needed_fixed_upstream_differently(rb: Fixture) -> None:
     # the file stays for history, unchanged; the tree stays consistent
     assert files(rb)["patches/fx/0002-fix-scale.patch"] == \
         before["patches/fx/0002-fix-scale.patch"]
-    assert rb.run("check", "--repo", str(rb.upstream)).returncode == 0
+    # the header still says Pending: check warns (and passes)
+    c = rb.run("check", "--repo", str(rb.upstream))
+    assert c.returncode == 0, c.stdout + c.stderr
+    assert ("warning: patches/fx/0002-fix-scale.patch is not needed on v1.2.0 "
+            "(stack fx) but says 'Upstream-Status: Pending'") in c.stdout
     assert rb.run("--repo", str(rb.upstream)).returncode == 0
+    # once the header names the upstream fix, the warning goes
+    f = rb.project / "patches" / "fx" / "0002-fix-scale.patch"
+    f.write_text(f.read_text().replace(
+        "Upstream-Status: Pending", "Upstream-Status: Backport [v1.2.0]"))
+    c = rb.run("check", "--repo", str(rb.upstream))
+    assert c.returncode == 0 and "warning" not in c.stdout, c.stdout + c.stderr
 
 
 def test_not_needed_code_removed(rb: Fixture) -> None:
@@ -156,8 +166,16 @@ def test_conflict_then_continue(rb: Fixture) -> None:
     # continuing before resolving is refused, and changes nothing
     nope = rb.run("rebase", "--continue")
     assert nope.returncode == 2 and "unresolved" in nope.stderr
-    (wt / "vllm" / "mod.py").write_text(resolved)
+    # a resolution that keeps the bug is committed but not kept: --continue
+    # stops again until the commit passes the patch's regression tests
+    (wt / "vllm" / "mod.py").write_text(resolved.replace("x * 1", "x * 4"))
     git("add", "vllm/mod.py", cwd=wt)
+    bad = rb.run("rebase", "--continue")
+    assert bad.returncode == 1, bad.stdout + bad.stderr
+    assert "does not pass its regression tests (fail" in bad.stdout
+    (wt / "vllm" / "mod.py").write_text(resolved)
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-q", "--amend",
+        "--no-edit", "-a", cwd=wt)
     c = rb.run("rebase", "--continue")
     assert c.returncode == 0, c.stdout + c.stderr
     assert re.search(r"fx/0002-fix-scale.patch\s+resolved", c.stdout)
