@@ -23,7 +23,7 @@ from pathlib import Path
 from .core import gout
 from .rebase import try_apply
 from .runner import APPLIED, positions, ran, run_positions, table
-from .series import Patch, Series, Stack, load_patch
+from .series import Patch, Series, Stack, load_patch, short_name
 from .testrun import Outcome, aggregate, test_python
 
 
@@ -97,10 +97,6 @@ def label(rev: str) -> str:
     return rev[:12] if re.fullmatch(r"[0-9a-f]{40}", rev) else rev
 
 
-def short(file: str) -> str:
-    return file.split("-", 1)[0]
-
-
 class Prober:
     """Applies the stack on a base (once per base) and runs one patch's
     regression tests at its position there (once per base and patch)."""
@@ -133,7 +129,7 @@ class Prober:
             what = (
                 f"base unavailable ({why})"
                 if base is None
-                else ", ".join(f"{short(f)} {r.apply}" for f, r in res.items())
+                else ", ".join(f"{short_name(f)} {r.apply}" for f, r in res.items())
             )
             print(f"    probe {label(rev)}: apply: {what}", flush=True)
         return self.applied[rev]
@@ -163,7 +159,7 @@ class Prober:
             self.verdicts[key] = o
             why = f" ({o.reason})" if o.reason and o.verdict != "pass" else ""
             print(
-                f"    probe {label(rev)}: {short(p.file)} regression: {o.verdict}{why}",
+                f"    probe {label(rev)}: {short_name(p.file)} regression: {o.verdict}{why}",
                 flush=True,
             )
         return self.verdicts[key]
@@ -240,12 +236,12 @@ def cmd_culprit(
     )
     results = []
     for p in prober.patches:
-        print(f"  {short(p.file)}: where it stops applying", flush=True)
+        print(f"  {short_name(p.file)}: where it stops applying", flush=True)
         found = first_change(
             len(revs), lambda i, p=p: prober.applies(revs[i], p), args.max_skips
         )
         stops = answer(revs, found, repo)
-        print(f"  {short(p.file)}: where its bug is absorbed", flush=True)
+        print(f"  {short_name(p.file)}: where its bug is absorbed", flush=True)
         found = first_change(
             len(revs), lambda i, p=p: prober.bug_present(revs[i], p), args.max_skips
         )
@@ -281,13 +277,18 @@ def print_culprits(results: list[dict], n: int, prober: Prober) -> None:
         s, a = r["stops_applying"], r["absorbed"]
         probes = f"{len(s['probed'])} + {len(a['probed'])} of {n}"
         rows.append(
-            (short(r["file"]), words(s, "stops_applying"), words(a, "absorbed"), probes)
+            (
+                short_name(r["file"]),
+                words(s, "stops_applying"),
+                words(a, "absorbed"),
+                probes,
+            )
         )
     for line in table(rows):
         print(line)
     for r in results:
         for key, (verb, same, _) in QUESTIONS.items():
-            x, name = r[key], short(r["file"])
+            x, name = r[key], short_name(r["file"])
             if x.get("commit"):
                 c = x["commit"]
                 print(f"  {name}: {verb} at {c['id']} {c['subject']}")

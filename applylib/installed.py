@@ -34,7 +34,15 @@ from pathlib import Path, PurePosixPath
 from .bases import BaseUnavailable, find_user_repo, locked, with_pinned_base, worktree
 from .core import UserError, git_common_dir, gout
 from .runner import PatchResult, apply_stack, preimages, table
-from .series import Patch, Series, Stack, check_agreement, load_patch, parse_series
+from .series import (
+    Patch,
+    Series,
+    Stack,
+    check_agreement,
+    load_patch,
+    parse_series,
+    short_name,
+)
 from .testrun import Outcome, aggregate, run_tests, test_python
 from .wheelbuild import WHEEL_MANIFEST as MANIFEST
 from .wheelbuild import blob_hashes, record_hash
@@ -532,10 +540,6 @@ def cmd_installed(args: argparse.Namespace) -> int:
     return report["exit_code"]
 
 
-def short(file: str) -> str:
-    return file.split("-", 1)[0]
-
-
 def print_header(report: dict) -> None:
     v, w = report["vllm"], report["wheel"]
     by = f" (installed by {v['installer']})" if v.get("installer") else ""
@@ -575,7 +579,7 @@ def print_stack_result(st: dict) -> None:
     rows = [("patch", "installed", "bug", "regression tests")[: 4 if tested else 2]]
     for p in st["patches"]:
         verdict = p["regression"]["verdict"] if p["regression"] else "not run"
-        row = (short(p["file"]), p["installed"], p["bug"], verdict)
+        row = (short_name(p["file"]), p["installed"], p["bug"], verdict)
         rows.append(row[: 4 if tested else 2])
     for line in table(rows):
         print("  " + line)
@@ -586,16 +590,18 @@ def print_stack_result(st: dict) -> None:
                 "missing": "missing",
                 "other": "neither the patched nor the release's content",
             }[p["files"][f]]
-            print(f"  {short(p['file'])}: modified: {f} ({what})")
+            print(f"  {short_name(p['file'])}: modified: {f} ({what})")
         r = p["regression"]
         if r and r["verdict"] != "pass" and r["reason"]:
             print(
-                f"  {short(p['file'])}: regression tests: {r['verdict']}: {r['reason']}"
+                f"  {short_name(p['file'])}: regression tests: {r['verdict']}: {r['reason']}"
             )
         if p["installed"] == "in-effect" and p["bug"] == "present":
-            print(f"  {short(p['file'])}: in effect, but the bug is present anyway")
+            print(
+                f"  {short_name(p['file'])}: in effect, but the bug is present anyway"
+            )
     for p in st["patches"]:
-        print(f"    {short(p['file'])}: {p['file']}")
+        print(f"    {short_name(p['file'])}: {p['file']}")
 
 
 def print_installed(report: dict) -> None:
@@ -628,7 +634,7 @@ def print_installed(report: dict) -> None:
     if patches:
         done = [p for p in patches if p["installed"] == "in-effect"]
         bad = [
-            f"{short(p['file'])} ({p['installed']}"
+            f"{short_name(p['file'])} ({p['installed']}"
             + (f", bug {p['bug']})" if p["regression"] else ")")
             for p in patches
             if not p["ok"]

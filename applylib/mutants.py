@@ -37,7 +37,15 @@ from .bases import (
 from .core import UserError, common, git, git_common_dir, say
 from .pinned import fetched_dir
 from .runner import PatchResult, apply_stack, positions, preimages, table
-from .series import Patch, Series, Stack, load_patch, parse_series, pick_patch
+from .series import (
+    Patch,
+    Series,
+    Stack,
+    load_patch,
+    parse_series,
+    pick_patch,
+    short_name,
+)
 from .testrun import aggregate, covers, run_tests, test_python
 
 
@@ -224,7 +232,7 @@ def cmd_mutants(args: argparse.Namespace) -> int:
 def print_mutants(rows: list[dict]) -> None:
     lines = [("patch", "mutant", "outcome", "secs")]
     for r in rows:
-        short = r["patch"].split("-", 1)[0]
+        short = short_name(r["patch"])
         lines.append(
             (short, r.get("mutant", "-"), r["outcome"], str(r.get("seconds", "")))
         )

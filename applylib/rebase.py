@@ -54,7 +54,15 @@ from .runner import (
     table,
     test_plan,
 )
-from .series import Patch, Series, Stack, check_agreement, load_patch, parse_series
+from .series import (
+    Patch,
+    Series,
+    Stack,
+    check_agreement,
+    load_patch,
+    parse_series,
+    short_name,
+)
 from .testrun import aggregate, run_tests, test_python
 
 
@@ -720,7 +728,7 @@ def print_matrix(patches: list[Patch], columns: list[dict]) -> None:
     """One row per base (releases grow downwards), one column per patch; a
     cell is the apply outcome and, after '/', the regression verdict at the
     patch's position."""
-    short = {p.file: p.file.split("-", 1)[0] for p in patches}
+    short = {p.file: short_name(p.file) for p in patches}
     rows = [tuple(["base", "upstream"] + [short[p.file] for p in patches])]
     reasons = []
     for c in columns:

@@ -465,17 +465,26 @@ def print_table(report: dict) -> None:
         )
 
 
+def stack_pin(stack: Stack) -> str:
+    p = stack.pins
+    return f"pinned to {p.get('tag') or p.get('branch') or p.get('commit', '?')}"
+
+
 def cmd_apply(args: argparse.Namespace) -> int:
     series = parse_series(Path(args.series))
     check_agreement(series)
     loaded = {p: load_patch(series, p) for s in series.stacks for p in s.patches}
     user_repo = find_user_repo(args.repo)
-    if args.base and not args.stack and len(series.stacks) > 1:
-        say(
-            f"apply.py: --base without --stack: using the first stack, "
-            f"'{series.stacks[0].name}'"
-        )
-    stacks = [series.stack(args.stack)] if (args.stack or args.base) else series.stacks
+    stacks = series.stacks
+    if args.stack:
+        stacks = [series.stack(args.stack)]
+    elif args.base:
+        stacks = [series.pick_stack(None, args.base)]
+        if len(series.stacks) > 1:
+            say(
+                f"apply.py: --base {args.base} without --stack: using stack "
+                f"'{stacks[0].name}' ({stack_pin(stacks[0])})"
+            )
     report = {"tool": "apply.py", "series": str(series.path), "stacks": []}
     for st in stacks:
         report["stacks"].append(

@@ -68,11 +68,44 @@ class Series:
         names = ", ".join(s.name for s in self.stacks)
         raise UserError(f"unknown stack '{name}' (the series has: {names})")
 
+    def pick_stack(self, name: str | None, base: str | None) -> Stack:
+        """--stack NAME, else the stack a --base means, else the first."""
+        if name or not base:
+            return self.stack(name)
+        return self.stack_for_base(base)
+
+    def stack_for_base(self, base: str) -> Stack:
+        """The stack a bare --base means: the one pinned to that tag, else the
+        one pinned to the newest release before it, else the first."""
+        want = release_key(base)
+        released = [
+            (release_key(s.pins.get("tag", "")), s)
+            for s in self.stacks
+            if release_key(s.pins.get("tag", ""))
+        ]
+        exact = [s for k, s in released if k == want]
+        if exact or not want:
+            return (exact or self.stacks)[0]
+        before = sorted(((k, s) for k, s in released if k < want), key=lambda x: x[0])
+        return before[-1][1] if before else self.stacks[0]
+
     def digest(self, stack: Stack) -> str:
         h = hashlib.sha256()
         for p in stack.patches:
             h.update(p.encode() + b"\0" + (self.patches_dir / p).read_bytes())
         return h.hexdigest()
+
+
+def short_name(file: str) -> str:
+    """A patch's short name: its stack folder and number (tq-v0.33/0001)."""
+    folder, _, name = file.rpartition("/")
+    return (folder + "/" if folder else "") + name.split("-", 1)[0]
+
+
+def release_key(rev: str) -> tuple[int, ...] | None:
+    """(X, Y, Z) of a release tag vX.Y.Z, else None."""
+    m = re.fullmatch(r"v(\d+)\.(\d+)\.(\d+)", rev)
+    return tuple(map(int, m.groups())) if m else None
 
 
 def parse_series(path: Path, need_patches: bool = True) -> Series:

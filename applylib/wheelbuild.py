@@ -242,7 +242,7 @@ def differing_files(
 def cmd_wheel(args: argparse.Namespace) -> int:
     t_start = time.monotonic()
     series = parse_series(Path(args.series))
-    stack = series.stack(args.stack)
+    stack = series.pick_stack(args.stack, args.base)
     patches = [load_patch(series, p) for p in stack.patches]
     if not patches:
         raise UserError(f"stack '{stack.name}' lists no patch")
@@ -287,7 +287,9 @@ def cmd_wheel(args: argparse.Namespace) -> int:
             f"{base.rev} is release {release}: give the official "
             f"vllm {release} wheel (or --base v{name['ver']})"
         )
-    local = re.sub(r"[-_.]+", ".", stack.name.lower()) + "." + series.digest(stack)[:8]
+    local = (
+        re.sub(r"[^a-z0-9]+", "", stack.name.lower()) + "." + series.digest(stack)[:8]
+    )
     version = f"{release}+{local}"
 
     results = {p.file: PatchResult(p.file) for p in patches}

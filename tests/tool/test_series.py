@@ -67,4 +67,25 @@ def test_real_series_report(tmp_path: Path) -> None:
     pin = tq["pins"]["commit"]
     assert tq["base_commit"] == pin or pin.startswith(tq.get("upstream_commit")
                                                       or "~")
+    assert names[:2] == ["tq", "tq-v0.33"]
+    assert rep["stacks"][1]["status"] == "ran"  # a release: always at hand
     assert rep["exit_code"] == 0
+
+
+def test_bare_base_picks_the_stack_pinned_there(tmp_path: Path) -> None:
+    """--base without --stack: the stack pinned to that release, else the one
+    pinned to the newest release before it, else the first."""
+    from applylib.series import parse_series
+
+    s = tmp_path / "series"
+    s.write_text(
+        "#@ stack a repo=https://example.invalid/v tag=v0.20.2\n"
+        "#@ stack b repo=https://example.invalid/v tag=v0.33.0\n"
+        "#@ stack c repo=https://example.invalid/f branch=x commit="
+        + "1" * 40 + "\n")
+    series = parse_series(s, need_patches=False)
+    picks = {b: series.pick_stack(None, b).name for b in (
+        "v0.33.0", "v0.20.2", "v0.27.0", "v0.34.1", "v0.19.0", "abc123")}
+    assert picks == {"v0.33.0": "b", "v0.20.2": "a", "v0.27.0": "a",
+                     "v0.34.1": "b", "v0.19.0": "a", "abc123": "a"}
+    assert series.pick_stack("c", "v0.33.0").name == "c"
