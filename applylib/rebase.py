@@ -61,6 +61,7 @@ from .series import (
     check_agreement,
     load_patch,
     parse_series,
+    release_key,
     short_name,
 )
 from .testrun import aggregate, run_tests, test_python
@@ -567,27 +568,22 @@ def version_key(v: str) -> tuple[int, ...]:
     return tuple(int(x) for x in re.findall(r"\d+", v))
 
 
-def list_releases(lo: str, hi: str, user_repo: Path | None, offline: bool) -> list[str]:
-    """Final releases lo..hi (inclusive), oldest first, as vX.Y.Z: those the
-    package index lists (unless offline) and those tagged in the repos."""
+def known_releases(user_repo: Path | None, offline: bool) -> tuple[set[str], bool]:
+    """Final releases X.Y.Z that the package index lists (unless offline)
+    and that the repos tag; and whether the index answered."""
     found: set[str] = set()
+    answered = False
     if not offline:
         proc = subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "pip",
-                "index",
-                "versions",
-                "vllm",
-                "--disable-pip-version-check",
-            ],
+            [sys.executable, "-m", "pip", "index", "versions", "vllm"]
+            + ["--disable-pip-version-check"],
             capture_output=True,
             text=True,
             check=False,
         )
         m = re.search(r"Available versions: (.*)", proc.stdout)
         if m:
+            answered = True
             found |= {v.strip() for v in m.group(1).split(",")}
     for repo in (user_repo, cache_dir() / "vllm.git"):
         if repo is not None and repo.exists():
@@ -595,12 +591,13 @@ def list_releases(lo: str, hi: str, user_repo: Path | None, offline: bool) -> li
                 t[1:]
                 for t in gout("tag", "--list", "v*", cwd=repo, check=False).split()
             }
-    want = [
-        v
-        for v in found
-        if re.fullmatch(r"\d+\.\d+\.\d+", v)
-        and version_key(lo) <= version_key(v) <= version_key(hi)
-    ]
+    return {v for v in found if re.fullmatch(r"\d+\.\d+\.\d+", v)}, answered
+
+
+def list_releases(lo: str, hi: str, user_repo: Path | None, offline: bool) -> list[str]:
+    """Final releases lo..hi (inclusive), oldest first, as vX.Y.Z."""
+    found, _ = known_releases(user_repo, offline)
+    want = [v for v in found if version_key(lo) <= version_key(v) <= version_key(hi)]
     if not want:
         raise UserError(
             f"no vLLM release between {lo} and {hi} (pip index "
@@ -768,8 +765,14 @@ def cmd_status(args: argparse.Namespace) -> int:
         raise UserError("--test-python and --no-tests go with --installed")
     series = parse_series(Path(args.series))
     check_agreement(series)
-    stack = series.stack(args.stack)
     user_repo = find_user_repo(args.repo)
+    if args.newer:
+        if args.bases or args.releases or args.commits or args.culprit:
+            raise UserError(
+                "--newer takes no --bases, --releases, --commits, --culprit"
+            )
+        return cmd_newer(series, user_repo, args)
+    stack = series.stack(args.stack)
     if sum(map(bool, (args.bases, args.releases, args.commits))) != 1:
         raise UserError(
             "give one of --installed, --bases A,B,..., --releases A..B or "
@@ -797,6 +800,69 @@ def cmd_status(args: argparse.Namespace) -> int:
         Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
         print(f"report: {args.json}")
     return 0
+
+
+def newest_stack(series: Series, name: str | None) -> Stack:
+    """--stack NAME, else the stack pinned to the newest release."""
+    if name:
+        return series.stack(name)
+    released = [s for s in series.stacks if release_key(s.pins.get("tag", ""))]
+    if not released:
+        raise UserError("no stack of the series is pinned to a release tag")
+    return max(released, key=lambda s: release_key(s.pins["tag"]))
+
+
+def next_step(column: dict, file: str) -> str:
+    """What a maintainer does with one patch on a new release."""
+    if "unavailable" in column:
+        return f"base unavailable ({column['unavailable']})"
+    cell = column["cells"][file]
+    apply, verdict = cell["apply"], cell["regression_base"]
+    if apply == "not-needed":
+        return "absorbed upstream (its regression tests pass there): drops"
+    if verdict == "pass":
+        return f"{apply}, but its regression tests pass without it: check why"
+    if verdict != "fail":
+        return f"{apply}; its tests cannot tell ({verdict}): port the tests"
+    if apply == "conflict":
+        return "conflicts and the bug is there: port it by hand"
+    return f"applies ({apply}) and the bug is there: carry it"
+
+
+def cmd_newer(series: Series, user_repo: Path | None, args: argparse.Namespace) -> int:
+    """Keeping up: the releases newer than the newest stack's pin, the status
+    of that stack on each, and what to do on the newest."""
+    stack = newest_stack(series, args.stack)
+    pin = stack.pins.get("tag", "")
+    if not release_key(pin):
+        raise UserError(f"stack '{stack.name}' is not pinned to a release tag")
+    found, answered = known_releases(user_repo, args.offline)
+    newer = sorted(
+        (v for v in found if version_key(v) > version_key(pin[1:])), key=version_key
+    )
+    where = "the package index" if answered else "cached tags only (index not reached)"
+    if not newer:
+        print(
+            f"up to date: no vLLM release newer than {pin} (stack {stack.name}; {where})"
+        )
+        return 0
+    revs = [f"v{v}" for v in newer]
+    print(f"newer than {pin} (stack {stack.name}; {where}): {', '.join(revs)}")
+    columns = [status_column(series, stack, rev, user_repo, args) for rev in revs]
+    patches = [load_patch(series, p) for p in stack.patches]
+    print_matrix(patches, columns)
+    print(f"on {revs[-1]}:")
+    for p in patches:
+        print(f"  {short_name(p.file)}: {next_step(columns[-1], p.file)}")
+    print(
+        f"next: python apply.py rebase --onto {revs[-1]} --stack {stack.name}"
+        f" --as {stack.name.split('-v')[0]}-{revs[-1].rsplit('.', 1)[0]}"
+    )
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        report = {"stack": stack.name, "pin": pin, "newer": revs, "columns": columns}
+        Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
+    return 1
 
 
 STATUS_HELP = """\
@@ -843,6 +909,7 @@ examples:
   python apply.py status --bases v0.20.2,v0.21.0
   python apply.py status --releases v0.20.0..v0.33.0 --json m.json
   python apply.py status --releases v0.20.0..v0.33.0 --stack tq --culprit
+  python apply.py status --newer      # keeping up: a release past the newest pin?
   python apply.py status --commits v0.20.2..v0.21.0 --repo ~/src/vllm --culprit
   /srv/venv/bin/python apply.py status --installed
   python apply.py status --installed --python /srv/venv/bin/python --json s.json
@@ -940,6 +1007,12 @@ def add_status_command(sub: argparse._SubParsersAction) -> None:
         metavar="N",
         help="with --culprit: stop a search after N bases that cannot tell "
         "(default 4; a negative number: never)",
+    )
+    s.add_argument(
+        "--newer",
+        action="store_true",
+        help="is there a release newer than the newest stack's pin, and what "
+        "does the series need there (exit 1 when there is)",
     )
     s.add_argument(
         "--installed",

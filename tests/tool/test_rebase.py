@@ -335,3 +335,21 @@ def test_rebase_into_a_new_stack(rb: Fixture) -> None:
     again = rb.run("rebase", "--onto", "v1.2.0", "--as", "fx-next",
                    "--repo", str(rb.upstream))
     assert again.returncode == 2 and "already has a stack" in again.stderr
+
+
+def test_newer_releases_and_what_the_stack_needs_there(rb: Fixture) -> None:
+    """status --newer: the releases past the newest stack's pin, the matrix
+    on them and the step for each patch on the newest; up to date: exit 0."""
+    p = rb.run("status", "--newer", "--offline", "--repo", str(rb.upstream))
+    assert p.returncode == 1, p.stdout + p.stderr
+    assert ("newer than v1.0.0 (stack fx; cached tags only (index not "
+            "reached)): v1.0.1, v1.0.5, v1.1.0, v1.2.0, v1.3.0") in p.stdout
+    assert re.search(r"on v1\.3\.0:\n  fx/0001: applies \((clean|3way)\) and the "
+                     r"bug is there: carry it\n  fx/0002: ", p.stdout), p.stdout
+    assert ("next: python apply.py rebase --onto v1.3.0 --stack fx --as fx-v1.3"
+            in p.stdout)
+    rb.series.write_text(rb.series.read_text().replace("tag=v1.0.0",
+                                                       "tag=v1.3.0"))
+    p = rb.run("status", "--newer", "--offline", "--repo", str(rb.upstream))
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert p.stdout.startswith("up to date: no vLLM release newer than v1.3.0")
