@@ -305,13 +305,14 @@ def attention_layer_indices(vllm_config: Any) -> list[int]:
     return [i for i, t in enumerate(block_types) if t == "attention"]
 
 
-def build_kv_cache_specs(vllm_config: Any, monkeypatch) -> tuple[dict, dict]:
-    """Build the model's attention layers, plan the hybrid block size and
-    build each layer's KV cache spec, as a GPU worker does (see module
-    docstring)."""
+def build_attention_layers(
+    vllm_config: Any, indices: list[int], monkeypatch
+) -> dict[int, Any]:
+    """The model's attention layers at these decoder indices, each on the
+    backend its KV cache dtype selects (TurboQuant or FlashAttention), then
+    the block size planned for them, as model loading does."""
     import vllm.model_executor.layers.attention.attention as attention
     from vllm.config import set_current_vllm_config
-    from vllm.model_executor.models import ModelRegistry
     from vllm.platforms.interface import Platform
     from vllm.v1.attention.backends.flash_attn import FlashAttentionBackend
     from vllm.v1.attention.backends.turboquant_attn import (
@@ -324,14 +325,12 @@ def build_kv_cache_specs(vllm_config: Any, monkeypatch) -> tuple[dict, dict]:
         return FlashAttentionBackend
 
     monkeypatch.setattr(attention, "get_attn_backend", select_backend)
-
     model_config = vllm_config.model_config
     parallel_config = vllm_config.parallel_config
-    attn_indices = attention_layer_indices(vllm_config)
     layers = {}
     with set_current_vllm_config(vllm_config):
-        for i in attn_indices:
-            layer = attention.Attention(
+        for i in indices:
+            layers[i] = attention.Attention(
                 model_config.get_num_attention_heads(parallel_config),
                 model_config.get_head_size(),
                 1.0,
@@ -339,10 +338,22 @@ def build_kv_cache_specs(vllm_config: Any, monkeypatch) -> tuple[dict, dict]:
                 cache_config=vllm_config.cache_config,
                 prefix=f"model.layers.{i}.self_attn.attn",
             )
-            layers[i] = layer
     # After the model is built (its layers name their backends).
     Platform.update_block_size_for_backend(vllm_config)
+    return layers
 
+
+def build_kv_cache_specs(vllm_config: Any, monkeypatch) -> tuple[dict, dict]:
+    """Build the model's attention layers, plan the hybrid block size and
+    build each layer's KV cache spec, as a GPU worker does (see module
+    docstring)."""
+    from vllm.config import set_current_vllm_config
+    from vllm.model_executor.models import ModelRegistry
+
+    model_config = vllm_config.model_config
+    layers = build_attention_layers(
+        vllm_config, attention_layer_indices(vllm_config), monkeypatch
+    )
     model_cls, _ = ModelRegistry.resolve_model_cls(
         model_config.architecture, model_config=model_config
     )
@@ -367,37 +378,10 @@ def build_kv_cache_specs(vllm_config: Any, monkeypatch) -> tuple[dict, dict]:
 
 def build_dense_kv_cache_specs(vllm_config: Any, monkeypatch) -> tuple[dict, dict]:
     """``build_kv_cache_specs`` for a dense model: every layer attention."""
-    import vllm.model_executor.layers.attention.attention as attention
-    from vllm.config import set_current_vllm_config
-    from vllm.platforms.interface import Platform
-    from vllm.v1.attention.backends.flash_attn import FlashAttentionBackend
-    from vllm.v1.attention.backends.turboquant_attn import (
-        TurboQuantAttentionBackend,
-    )
-
-    def select_backend(head_size, dtype, kv_cache_dtype, **kwargs):
-        if kv_cache_dtype.startswith("turboquant_"):
-            return TurboQuantAttentionBackend
-        return FlashAttentionBackend
-
-    monkeypatch.setattr(attention, "get_attn_backend", select_backend)
-    model_config = vllm_config.model_config
-    parallel_config = vllm_config.parallel_config
-    with set_current_vllm_config(vllm_config):
-        layers = [
-            attention.Attention(
-                model_config.get_num_attention_heads(parallel_config),
-                model_config.get_head_size(),
-                1.0,
-                num_kv_heads=model_config.get_num_kv_heads(parallel_config),
-                cache_config=vllm_config.cache_config,
-                prefix=f"model.layers.{i}.self_attn.attn",
-            )
-            for i in range(model_config.hf_text_config.num_hidden_layers)
-        ]
-    Platform.update_block_size_for_backend(vllm_config)
+    num_layers = vllm_config.model_config.hf_text_config.num_hidden_layers
+    layers = build_attention_layers(vllm_config, list(range(num_layers)), monkeypatch)
     specs = h.runner_kv_cache_specs(vllm_config)
-    return specs, {x.layer_name: x.get_attn_backend() for x in layers}
+    return specs, {x.layer_name: x.get_attn_backend() for x in layers.values()}
 
 
 def check_kv_cache_specs(

@@ -110,6 +110,17 @@ def real_cache() -> Path:
     return Path(base).expanduser() / "vllm-patches"
 
 
+def run_offline(*args: str, cwd: Path,
+                timeout: int = 1800) -> subprocess.CompletedProcess[str]:
+    """apply.py run in `cwd` with the cache `cwd/cache` (isolated_cache),
+    offline and without $VLLM_REPO: what the real-base tests run."""
+    env = dict(os.environ, VLLM_PATCHES_OFFLINE="1",
+               VLLM_PATCHES_CACHE=str(cwd / "cache"))
+    env.pop("VLLM_REPO", None)
+    return subprocess.run([sys.executable, str(APPLY), *args], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
 def isolated_cache(tmp: Path) -> Path:
     """A cache of the test's own (repository, worktrees, branches) that
     shares the real cache's downloaded release wheels: the real-release

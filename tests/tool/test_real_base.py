@@ -4,12 +4,11 @@ release wheel (pip's cache or a download), and a small fixture stack on it."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
-from conftest import APPLY, git, isolated_cache, real_cache
+from conftest import run_offline, git, isolated_cache, real_cache
 
 PIN = "bc150f50299199599673614f80d12a196f377655"
 TQ = "vllm/v1/attention/backends/turboquant_attn.py"
@@ -35,11 +34,7 @@ def test_threshold_regression():
 
 
 def run(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
-    env = dict(os.environ, VLLM_PATCHES_OFFLINE="1",
-               VLLM_PATCHES_CACHE=str(cwd / "cache"))
-    env.pop("VLLM_REPO", None)
-    return subprocess.run([sys.executable, str(APPLY), *args], cwd=cwd, env=env,
-                          capture_output=True, text=True, timeout=1800)
+    return run_offline(*args, cwd=cwd, timeout=1800)
 
 
 def test_real_v0_20_2_base_and_fixture_stack(tmp_path: Path) -> None:

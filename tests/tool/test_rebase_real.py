@@ -18,22 +18,17 @@ wrong reading of upstream fails here rather than passing silently.
 
 from __future__ import annotations
 
-import os
 import re
 import shutil
 import subprocess
 import sys
 from pathlib import Path
 
-from conftest import APPLY, isolated_cache, ROOT, git
+from conftest import run_offline, isolated_cache, ROOT, git
 
 
 def run(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
-    env = dict(os.environ, VLLM_PATCHES_OFFLINE="1",
-               VLLM_PATCHES_CACHE=str(cwd / "cache"))
-    env.pop("VLLM_REPO", None)
-    return subprocess.run([sys.executable, str(APPLY), *args], cwd=cwd, env=env,
-                          capture_output=True, text=True, timeout=3600)
+    return run_offline(*args, cwd=cwd, timeout=3600)
 
 
 def test_rebase_tq_stack_onto_v0_21_0(tmp_path: Path) -> None:
