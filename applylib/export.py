@@ -861,11 +861,7 @@ def add_deliver_commands(sub: argparse._SubParsersAction) -> None:
         "  python apply.py wheel --base v0.20.2 --from-wheel "
         "vllm-0.20.2-cp38-abi3-manylinux_2_35_x86_64.whl",
     )
-    w.add_argument(
-        "--base",
-        default=argparse.SUPPRESS,
-        help="base release vX.Y.Z (default: the stack's pin)",
-    )
+    common(w, "base", helps={"base": "base release vX.Y.Z (default: the stack's pin)"})
     w.add_argument(
         "--from-wheel",
         metavar="FILE",
@@ -899,11 +895,7 @@ def add_deliver_commands(sub: argparse._SubParsersAction) -> None:
     )
     e.add_argument("patch", help="patch file name or unique prefix")
     e.add_argument("--branch", help="branch name (default: patched/pr/<patch>)")
-    e.add_argument(
-        "--base",
-        default=argparse.SUPPRESS,
-        help="base revision (default: the stack's pin)",
-    )
+    common(e, "base")
     e.add_argument(
         "--test-dir",
         help="where the test goes in vLLM's tree "
