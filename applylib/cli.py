@@ -12,7 +12,6 @@ from .mutants import add_mutants_command
 from .rebase import add_rebase_commands
 from .runner import cmd_apply
 
-
 FMT = argparse.RawDescriptionHelpFormatter
 
 
