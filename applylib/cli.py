@@ -6,18 +6,20 @@ import argparse
 import os
 
 from .commands import cmd_base, cmd_check, cmd_format_patch, cmd_test
-from .core import PROJECT, GitError, UserError, common, say
+from .core import PROJECT, GitError, UserError, common, patch_names, say
 from .export import add_deliver_commands
 from .mutants import add_mutants_command
 from .rebase import add_rebase_commands
 from .runner import cmd_apply
 
+FMT = argparse.RawDescriptionHelpFormatter
+
 
 def parser() -> argparse.ArgumentParser:
-    fmt = argparse.RawDescriptionHelpFormatter
+    """The whole command line: the global options, then every command."""
     p = argparse.ArgumentParser(
         prog="apply.py",
-        formatter_class=fmt,
+        formatter_class=FMT,
         description="Apply the vLLM patch series onto a base, run each patch's "
         "targeted tests, and report.",
         epilog="examples:\n"
@@ -27,6 +29,22 @@ def parser() -> argparse.ArgumentParser:
         "          export, mutants (each has --help with an example)\n"
         "exit: 0 ok, 1 conflict or test failure, 2 bad input",
     )
+    add_global_options(p)
+    sub = p.add_subparsers(dest="cmd", metavar="COMMAND")
+    add_check_command(sub)
+    add_test_command(sub)
+    add_base_command(sub)
+    add_format_patch_command(sub)
+    add_rebase_commands(sub)
+    add_deliver_commands(sub)
+    add_mutants_command(sub)
+    for sp in sub.choices.values():
+        common(sp, "series")
+    return p
+
+
+def add_global_options(p: argparse.ArgumentParser) -> None:
+    """The options of the default command (apply), given before a command."""
     p.add_argument(
         "--series",
         default=str(PROJECT / "series"),
@@ -67,11 +85,13 @@ def parser() -> argparse.ArgumentParser:
         help="Python that runs the targeted tests "
         "(default: $VLLM_PATCHES_PYTHON, ./.venv, this one)",
     )
-    sub = p.add_subparsers(dest="cmd", metavar="COMMAND")
 
+
+def add_check_command(sub: argparse._SubParsersAction) -> None:
+    """apply.py check: lint the series."""
     c = sub.add_parser(
         "check",
-        formatter_class=fmt,
+        formatter_class=FMT,
         help="lint the series and patches (fast, offline)",
         description="Check that series and patches/ agree, every "
         "patch parses with the required trailers, touches only "
@@ -79,23 +99,31 @@ def parser() -> argparse.ArgumentParser:
         epilog="example:\n  python apply.py check",
     )
     c.set_defaults(func=cmd_check)
+    common(c, "repo", "fetched")
 
+
+def add_test_command(sub: argparse._SubParsersAction) -> None:
+    """apply.py test: the targeted tests against a tree."""
     t = sub.add_parser(
         "test",
-        formatter_class=fmt,
+        formatter_class=FMT,
         help="run patches' targeted tests against a tree",
         description="Run the targeted tests (Tests: trailers) of "
         "the given patches (default: all) against a vLLM tree.",
         epilog="example:\n  python apply.py test tq/0002 --tree ~/src/vllm",
     )
-    t.add_argument("patches", nargs="*", help="patch file names or prefixes")
+    patch_names(t)
     t.add_argument("--tree", required=True, help="vLLM source tree root")
     t.add_argument("--json", help="write results here")
     t.set_defaults(func=cmd_test)
+    common(t, "python", "offline")
 
+
+def add_base_command(sub: argparse._SubParsersAction) -> None:
+    """apply.py base: obtain a base and print it."""
     b = sub.add_parser(
         "base",
-        formatter_class=fmt,
+        formatter_class=FMT,
         help="obtain a base (remote or PyPI release) and print it",
         description="Resolve a stack's base, obtaining it into "
         "the tool's cache repository if needed.",
@@ -103,10 +131,14 @@ def parser() -> argparse.ArgumentParser:
     )
     b.add_argument("rev", nargs="?", help="revision (default: the stack's pin)")
     b.set_defaults(func=cmd_base)
+    common(b, "python", "offline", "stack", "repo", "fetched")
 
+
+def add_format_patch_command(sub: argparse._SubParsersAction) -> None:
+    """apply.py format-patch: the deterministic export of one commit."""
     f = sub.add_parser(
         "format-patch",
-        formatter_class=fmt,
+        formatter_class=FMT,
         help="export one commit deterministically",
         description="Export one commit as a patch file with the "
         "series' pinned format-patch flags.",
@@ -117,16 +149,6 @@ def parser() -> argparse.ArgumentParser:
     f.add_argument("--repo", required=True)
     f.add_argument("--out")
     f.set_defaults(func=cmd_format_patch)
-    for sp in (t, b):
-        common(sp, "python", "offline")
-    common(b, "stack", "repo", "fetched")
-    common(c, "repo", "fetched")
-    add_rebase_commands(sub)
-    add_deliver_commands(sub)
-    add_mutants_command(sub)
-    for sp in sub.choices.values():
-        common(sp, "series")
-    return p
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -122,57 +122,27 @@ def roundtrip(
         )
         return []
     repo, base = found
+    probs = reexport_stack(repo, base, patches)
+    if not probs:
+        print(f"stack {stack.name}: export round-trip on {base[:12]}: byte-identical")
+    return probs
+
+
+def reexport_stack(repo: Path, base: str, patches: list[Patch]) -> list[str]:
+    """Each patch committed in order on `base` and exported again: the
+    patches whose export differs (or that do not apply)."""
     probs = []
     with tempfile.TemporaryDirectory() as tmp:
         env = {"GIT_INDEX_FILE": str(Path(tmp) / "index")}
         git("read-tree", base, cwd=repo, env=env)
         parent = base
         for p in patches:
-            info = git(
-                "mailinfo",
-                "-k",
-                "-b",
-                str(Path(tmp) / "msg"),
-                str(Path(tmp) / "diff"),
-                cwd=repo,
-                input=p.raw,
-            ).stdout
-            hdr = dict(
-                ln.split(": ", 1) for ln in info.decode().splitlines() if ": " in ln
-            )
-            msg = hdr.get("Subject", "") + "\n\n" + (Path(tmp) / "msg").read_text()
-            proc = git(
-                "apply",
-                "--cached",
-                str(Path(tmp) / "diff"),
-                cwd=repo,
-                env=env,
-                check=False,
-            )
-            if proc.returncode != 0:
+            commit = recommit(repo, Path(tmp), env, parent, p)
+            if commit is None:
                 probs.append(
                     f"patches/{p.file}: does not apply to the stack's base in order"
                 )
                 break
-            tree = gout("write-tree", cwd=repo, env=env)
-            cenv = dict(
-                env,
-                GIT_AUTHOR_NAME=hdr.get("Author", ""),
-                GIT_AUTHOR_EMAIL=hdr.get("Email", ""),
-                GIT_AUTHOR_DATE=hdr.get("Date", ""),
-                GIT_COMMITTER_NAME=IDENTITY[0],
-                GIT_COMMITTER_EMAIL=IDENTITY[1],
-                GIT_COMMITTER_DATE=hdr.get("Date", ""),
-            )
-            commit = gout(
-                "commit-tree",
-                tree,
-                "-p",
-                parent,
-                cwd=repo,
-                env=cenv,
-                input=msg.rstrip("\n").encode() + b"\n",
-            )
             again = format_patch(repo, commit)
             if again != p.raw:
                 probs.append(
@@ -180,9 +150,54 @@ def roundtrip(
                     "deterministic export; use 'apply.py format-patch')"
                 )
             parent = commit
-    if not probs:
-        print(f"stack {stack.name}: export round-trip on {base[:12]}: byte-identical")
     return probs
+
+
+def recommit(
+    repo: Path, tmp: Path, env: dict[str, str], parent: str, p: Patch
+) -> str | None:
+    """The patch applied to the temporary index and committed on `parent`
+    with its own author, date and message; None where it does not apply."""
+    info = git(
+        "mailinfo",
+        "-k",
+        "-b",
+        str(tmp / "msg"),
+        str(tmp / "diff"),
+        cwd=repo,
+        input=p.raw,
+    ).stdout
+    hdr = dict(ln.split(": ", 1) for ln in info.decode().splitlines() if ": " in ln)
+    msg = hdr.get("Subject", "") + "\n\n" + (tmp / "msg").read_text()
+    proc = git(
+        "apply",
+        "--cached",
+        str(tmp / "diff"),
+        cwd=repo,
+        env=env,
+        check=False,
+    )
+    if proc.returncode != 0:
+        return None
+    tree = gout("write-tree", cwd=repo, env=env)
+    cenv = dict(
+        env,
+        GIT_AUTHOR_NAME=hdr.get("Author", ""),
+        GIT_AUTHOR_EMAIL=hdr.get("Email", ""),
+        GIT_AUTHOR_DATE=hdr.get("Date", ""),
+        GIT_COMMITTER_NAME=IDENTITY[0],
+        GIT_COMMITTER_EMAIL=IDENTITY[1],
+        GIT_COMMITTER_DATE=hdr.get("Date", ""),
+    )
+    return gout(
+        "commit-tree",
+        tree,
+        "-p",
+        parent,
+        cwd=repo,
+        env=cenv,
+        input=msg.rstrip("\n").encode() + b"\n",
+    )
 
 
 def cmd_test(args: argparse.Namespace) -> int:

@@ -188,10 +188,16 @@ def format_patch(repo: Path, rev: str) -> bytes:
     ).stdout
 
 
-def common(sp: argparse.ArgumentParser, *names: str) -> None:
-    """The global options, accepted after a command too."""
-    helps = {
+def common(
+    sp: argparse.ArgumentParser, *names: str, helps: dict[str, str] | None = None
+) -> None:
+    """The global options, accepted after a command too (default: not given).
+
+    `helps` words an option's help for this command where it differs.
+    """
+    words = {
         "series": "series file",
+        "base": "base revision (default: the stack's pin)",
         "repo": "vLLM git repository",
         "stack": "stack name",
         "python": "Python that runs the tests",
@@ -200,13 +206,19 @@ def common(sp: argparse.ArgumentParser, *names: str) -> None:
         "fetched": "directory of pinned files for offline bases "
         "(DIR/<owner>-<name>-<commit>/<path>; default $VLLM_PATCHES_FETCHED)",
     }
+    words.update(helps or {})
     for n in names:
         if n == "offline":
             sp.add_argument(
                 "--offline",
                 action="store_true",
                 default=argparse.SUPPRESS,
-                help=helps[n],
+                help=words[n],
             )
         else:
-            sp.add_argument(f"--{n}", default=argparse.SUPPRESS, help=helps[n])
+            sp.add_argument(f"--{n}", default=argparse.SUPPRESS, help=words[n])
+
+
+def patch_names(sp: argparse.ArgumentParser) -> None:
+    """The positional list of patches a command works on (default: all)."""
+    sp.add_argument("patches", nargs="*", help="patch file names or prefixes")

@@ -34,7 +34,7 @@ from .bases import (
     with_pinned_base,
     worktree,
 )
-from .core import UserError, common, git, git_common_dir, say
+from .core import UserError, common, git, git_common_dir, patch_names, say
 from .pinned import fetched_dir
 from .runner import PatchResult, apply_stack, positions, preimages, table
 from .series import (
@@ -262,7 +262,7 @@ def add_mutants_command(sub: argparse._SubParsersAction) -> None:
         "survives.",
         epilog="example:\n  python apply.py mutants tq/0001",
     )
-    m.add_argument("patches", nargs="*", help="patch file names or prefixes")
+    patch_names(m)
     m.add_argument("--base", default=None, help="base (default: each stack's pin)")
     m.add_argument("--json", help="write the results here")
     m.add_argument(

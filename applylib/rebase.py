@@ -1032,10 +1032,13 @@ def add_status_command(sub: argparse._SubParsersAction) -> None:
         help="with --installed: files and imports only",
     )
     s.add_argument("--json", help="write the report here")
-    s.add_argument(
-        "--python",
-        default=argparse.SUPPRESS,
-        help="Python that runs the tests; with --installed: the environment inspected",
+    common(
+        s,
+        "python",
+        helps={
+            "python": "Python that runs the tests; with --installed: the "
+            "environment inspected"
+        },
     )
     s.set_defaults(func=cmd_status)
     common(s, "stack", "repo", "offline", "fetched")

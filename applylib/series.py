@@ -109,6 +109,7 @@ def release_key(rev: str) -> tuple[int, ...] | None:
 
 
 def parse_series(path: Path, need_patches: bool = True) -> Series:
+    """The series file, read and checked: its stacks, patches and records."""
     if not path.is_file():
         raise UserError(f"{path}: series file not found")
     stacks: list[Stack] = []
@@ -117,66 +118,89 @@ def parse_series(path: Path, need_patches: bool = True) -> Series:
         line = raw.strip()
         where = f"{path.name}:{n}"
         if line.startswith("#@"):
-            try:
-                words = shlex.split(line[2:])
-            except ValueError as e:
-                raise UserError(f"{where}: malformed directive: {e}") from None
-            if not words:
-                raise UserError(f"{where}: empty '#@' directive")
-            kind, rest = words[0], words[1:]
-            kv: dict[str, str] = {}
-            for w in rest[1:]:
-                if "=" not in w:
-                    raise UserError(
-                        f"{where}: malformed directive: expected key=value, got '{w}'"
-                    )
-                k, v = w.split("=", 1)
-                kv[k] = v
-            if kind == "stack":
-                stacks.append(parse_stack(where, rest, kv, stacks, path, n))
-            elif kind == "pin":
-                if (
-                    not stacks
-                    or not rest
-                    or "=" in rest[0]
-                    or set(kv) - {"repo", "branch", "commit", "fetch"}
-                ):
-                    raise UserError(
-                        f"{where}: malformed directive: '#@ pin "
-                        "PATCH repo=URL commit=<40 hex> [branch=]'"
-                    )
-                if not re.fullmatch(r"[0-9a-f]{40}", kv.get("commit", "")):
-                    raise UserError(f"{where}: commit= must be 40 hex digits")
-                stacks[-1].file_pins[rest[0]] = kv
-            elif kind in RECORDS:
-                if not stacks or not rest or "=" in rest[0]:
-                    raise UserError(
-                        f"{where}: malformed directive: "
-                        f"'#@ {kind} PATCH base=REV reason=...'"
-                    )
-                rec = {"file": rest[0], "kind": kind, **kv, "_line": str(n)}
-                stacks[-1].not_needed.append(rec)
-            else:
-                raise UserError(f"{where}: unknown directive '#@ {kind}'")
-            continue
-        if not line or line.startswith("#"):
-            continue
-        fields = line.split()
-        entry = fields[0]
-        if any(f not in ("-p1",) for f in fields[1:]):
-            raise UserError(f"{where}: unsupported quilt option in '{line}'")
-        if not stacks:
+            parse_directive(where, line, stacks, path, n)
+        elif line and not line.startswith("#"):
+            add_series_entry(where, line, stacks, seen, n)
+    check_series(path, stacks, need_patches)
+    return Series(path.resolve(), stacks)
+
+
+def directive_words(where: str, line: str) -> tuple[str, list[str], dict[str, str]]:
+    """A '#@' line's kind, its words after the kind, and its key=value words."""
+    try:
+        words = shlex.split(line[2:])
+    except ValueError as e:
+        raise UserError(f"{where}: malformed directive: {e}") from None
+    if not words:
+        raise UserError(f"{where}: empty '#@' directive")
+    kind, rest = words[0], words[1:]
+    kv: dict[str, str] = {}
+    for w in rest[1:]:
+        if "=" not in w:
             raise UserError(
-                f"{where}: patch '{entry}' comes before any '#@ stack' directive"
+                f"{where}: malformed directive: expected key=value, got '{w}'"
             )
-        if entry in seen:
+        k, v = w.split("=", 1)
+        kv[k] = v
+    return kind, rest, kv
+
+
+def parse_directive(
+    where: str, line: str, stacks: list[Stack], path: Path, n: int
+) -> None:
+    """One '#@' line: a new stack, a patch's own pin, or a patch record."""
+    kind, rest, kv = directive_words(where, line)
+    if kind == "stack":
+        stacks.append(parse_stack(where, rest, kv, stacks, path, n))
+    elif kind == "pin":
+        if (
+            not stacks
+            or not rest
+            or "=" in rest[0]
+            or set(kv) - {"repo", "branch", "commit", "fetch"}
+        ):
             raise UserError(
-                f"{where}: '{entry}' listed twice (first at line {seen[entry]})"
+                f"{where}: malformed directive: '#@ pin "
+                "PATCH repo=URL commit=<40 hex> [branch=]'"
             )
-        seen[entry] = n
-        check_safe_relpath(entry, f"{where}: series entry")
-        stacks[-1].patches.append(entry)
-        stacks[-1].patch_lines[entry] = n
+        if not re.fullmatch(r"[0-9a-f]{40}", kv.get("commit", "")):
+            raise UserError(f"{where}: commit= must be 40 hex digits")
+        stacks[-1].file_pins[rest[0]] = kv
+    elif kind in RECORDS:
+        if not stacks or not rest or "=" in rest[0]:
+            raise UserError(
+                f"{where}: malformed directive: '#@ {kind} PATCH base=REV reason=...'"
+            )
+        rec = {"file": rest[0], "kind": kind, **kv, "_line": str(n)}
+        stacks[-1].not_needed.append(rec)
+    else:
+        raise UserError(f"{where}: unknown directive '#@ {kind}'")
+
+
+def add_series_entry(
+    where: str, line: str, stacks: list[Stack], seen: dict[str, int], n: int
+) -> None:
+    """One patch line: the patch joins the last stack, once in the series."""
+    fields = line.split()
+    entry = fields[0]
+    if any(f not in ("-p1",) for f in fields[1:]):
+        raise UserError(f"{where}: unsupported quilt option in '{line}'")
+    if not stacks:
+        raise UserError(
+            f"{where}: patch '{entry}' comes before any '#@ stack' directive"
+        )
+    if entry in seen:
+        raise UserError(
+            f"{where}: '{entry}' listed twice (first at line {seen[entry]})"
+        )
+    seen[entry] = n
+    check_safe_relpath(entry, f"{where}: series entry")
+    stacks[-1].patches.append(entry)
+    stacks[-1].patch_lines[entry] = n
+
+
+def check_series(path: Path, stacks: list[Stack], need_patches: bool) -> None:
+    """The whole file's checks: pins name patches, patches listed exist."""
     for s in stacks:
         for f in s.file_pins:
             if f not in s.patches:
@@ -191,7 +215,6 @@ def parse_series(path: Path, need_patches: bool = True) -> Series:
                 raise UserError(
                     f"{path.name}: '{p}' is listed but patches/{p} does not exist"
                 )
-    return Series(path.resolve(), stacks)
 
 
 def parse_stack(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import base64
+import dataclasses
 import hashlib
 import json
 import os
@@ -34,6 +35,8 @@ from .core import (
 from .pinned import fetched_dir
 from .runner import PatchResult, apply_stack
 from .series import (
+    Patch,
+    Series,
     Stack,
     load_patch,
     parse_series,
@@ -240,20 +243,50 @@ def differing_files(
 
 
 def cmd_wheel(args: argparse.Namespace) -> int:
+    """apply.py wheel: the official wheel with the patched tree's files."""
     t_start = time.monotonic()
+    job = wheel_job(args)
+    tree = patched_tree(job)
+    if tree is None:
+        return 1
+    notes = differing_files(job.src, tree.changes, tree.old, job.base.rev, args.force)
+    src_size = job.src.stat().st_size
+    src_sha256 = file_sha256(job.src)
+    out_dir = Path(args.out).expanduser().resolve()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    say(
+        f"apply.py wheel: {job.src.name} + stack {job.stack.name} "
+        f"({len(job.patches)} patch(es), {len(tree.changes)} file(s)) -> "
+        f"{job.version}"
+    )
+    built = build_wheel(job, tree, src_sha256, out_dir, notes)
+    seconds = time.monotonic() - t_start
+    report_wheel(job, built, notes, seconds, src_size, args.json)
+    return 0
+
+
+@dataclasses.dataclass
+class WheelJob:
+    """What the wheel is made of: a stack on a release base, and the
+    official wheel of that release."""
+
+    series: Series
+    stack: Stack
+    patches: list[Patch]
+    python: str
+    base: Base
+    release: str
+    src: Path
+    name: re.Match
+    local: str
+    version: str
+
+
+def wheel_job(args: argparse.Namespace) -> WheelJob:
+    """The command line's stack, base and official wheel, checked."""
     series = parse_series(Path(args.series))
     stack = series.pick_stack(args.stack, args.base)
-    patches = [load_patch(series, p) for p in stack.patches]
-    if not patches:
-        raise UserError(f"stack '{stack.name}' lists no patch")
-    for p in patches:
-        for f in p.files:
-            if COMPILED_SOURCE.search(f):
-                raise UserError(
-                    f"patches/{p.file} changes {f}, a source of vLLM's compiled "
-                    "extensions: a patched wheel cannot carry that without a "
-                    "CUDA rebuild (build vLLM from the patched tree instead)"
-                )
+    patches = wheel_patches(series, stack)
     python = test_python(args.python)
     check_wheel_tool(python)
     user_repo = find_user_repo(args.repo)
@@ -274,6 +307,42 @@ def cmd_wheel(args: argparse.Namespace) -> int:
         )
     except BaseUnavailable as e:
         raise UserError(f"{e.reason} (to get it: {e.hint})") from None
+    name = official_wheel_name(src, base, release)
+    local = (
+        re.sub(r"[^a-z0-9]+", "", stack.name.lower()) + "." + series.digest(stack)[:8]
+    )
+    return WheelJob(
+        series=series,
+        stack=stack,
+        patches=patches,
+        python=python,
+        base=base,
+        release=release,
+        src=src,
+        name=name,
+        local=local,
+        version=f"{release}+{local}",
+    )
+
+
+def wheel_patches(series: Series, stack: Stack) -> list[Patch]:
+    """The stack's patches, refused where one changes a compiled source."""
+    patches = [load_patch(series, p) for p in stack.patches]
+    if not patches:
+        raise UserError(f"stack '{stack.name}' lists no patch")
+    for p in patches:
+        for f in p.files:
+            if COMPILED_SOURCE.search(f):
+                raise UserError(
+                    f"patches/{p.file} changes {f}, a source of vLLM's compiled "
+                    "extensions: a patched wheel cannot carry that without a "
+                    "CUDA rebuild (build vLLM from the patched tree instead)"
+                )
+    return patches
+
+
+def official_wheel_name(src: Path, base: Base, release: str) -> re.Match:
+    """The official wheel's file name, parsed: a vLLM wheel of `release`."""
     if not src.is_file():
         raise UserError(f"{src}: no such wheel file")
     name = WHEEL_FILE.match(src.name)
@@ -287,14 +356,27 @@ def cmd_wheel(args: argparse.Namespace) -> int:
             f"{base.rev} is release {release}: give the official "
             f"vllm {release} wheel (or --base v{name['ver']})"
         )
-    local = (
-        re.sub(r"[^a-z0-9]+", "", stack.name.lower()) + "." + series.digest(stack)[:8]
-    )
-    version = f"{release}+{local}"
+    return name
 
+
+@dataclasses.dataclass
+class PatchedTree:
+    """The files the patched tree changes from the release's tree."""
+
+    changes: dict[str, str]  # path -> A | M | D
+    new: dict[str, tuple[str, str]]  # path -> (mode, blob) in the patched tree
+    old: dict[str, tuple[str, str]]  # path -> (mode, blob) in the release's
+    data: dict[str, bytes]  # path -> the patched tree's bytes
+    hashes: dict[str, dict[str, str | None]]  # every patched file's hashes
+
+
+def patched_tree(job: WheelJob) -> PatchedTree | None:
+    """The stack applied on its base, and what it changes; None (after
+    saying which patches conflict) where it does not apply."""
+    base, patches = job.base, job.patches
     results = {p.file: PatchResult(p.file) for p in patches}
     with locked(hashlib.sha1(str(git_common_dir(base.repo)).encode()).hexdigest()[:10]):
-        wt = worktree(base.repo, f"{stack.name}-wheel", base.commit)
+        wt = worktree(base.repo, f"{job.stack.name}-wheel", base.commit)
         conflicts = apply_stack(wt, patches, results)
         if conflicts:
             for p in conflicts:
@@ -304,7 +386,7 @@ def cmd_wheel(args: argparse.Namespace) -> int:
                 f"apply.py wheel: {len(conflicts)} patch(es) do not apply on "
                 f"{base.rev}; no wheel written"
             )
-            return 1
+            return None
         head = gout("rev-parse", "HEAD", cwd=wt)
         # An assembled base ships its pinned files too: the wheel is the
         # release's, so the changes are counted from the release's tree.
@@ -312,110 +394,184 @@ def cmd_wheel(args: argparse.Namespace) -> int:
         changes = tree_changes(wt, since, head)
         new = tree_blobs(wt, head, [p for p, s in changes.items() if s != "D"])
         old = tree_blobs(wt, since, [p for p, s in changes.items() if s != "A"])
-        data = {}
-        for path, (mode, oid) in new.items():
-            if mode not in ("100644", "100755"):
-                raise UserError(
-                    f"the patched tree's {path} is not a regular "
-                    f"file (mode {mode}); a wheel cannot carry it"
-                )
-            data[path] = git("cat-file", "blob", oid, cwd=wt).stdout
+        data = blob_data(wt, new)
         every = sorted({f for p in patches for f in p.files})
         hashes = file_hashes(wt, base.commit, head, every)
-    notes = differing_files(src, changes, old, base.rev, args.force)
-    src_size = src.stat().st_size
+    return PatchedTree(changes, new, old, data, hashes)
+
+
+def blob_data(repo: Path, blobs: dict[str, tuple[str, str]]) -> dict[str, bytes]:
+    """{path: bytes} of regular files; anything else cannot go in a wheel."""
+    data = {}
+    for path, (mode, oid) in blobs.items():
+        if mode not in ("100644", "100755"):
+            raise UserError(
+                f"the patched tree's {path} is not a regular "
+                f"file (mode {mode}); a wheel cannot carry it"
+            )
+        data[path] = git("cat-file", "blob", oid, cwd=repo).stdout
+    return data
+
+
+def file_sha256(path: Path) -> str:
+    """The hex sha256 of a (large) file, read in chunks."""
     h = hashlib.sha256()
-    with src.open("rb") as fh:
+    with path.open("rb") as fh:
         for chunk in iter(lambda: fh.read(1 << 20), b""):
             h.update(chunk)
-    out_dir = Path(args.out).expanduser().resolve()
-    out_dir.mkdir(parents=True, exist_ok=True)
-    say(
-        f"apply.py wheel: {src.name} + stack {stack.name} ({len(patches)} "
-        f"patch(es), {len(changes)} file(s)) -> {version}"
-    )
+    return h.hexdigest()
+
+
+@dataclasses.dataclass
+class BuiltWheel:
+    """The patched wheel written, and what went into it."""
+
+    out: Path
+    shipped: dict[str, str]  # path -> A | M | D
+    manifest: dict
+    timings: dict[str, float]  # unpack, pack: seconds
+
+
+def build_wheel(
+    job: WheelJob,
+    tree: PatchedTree,
+    src_sha256: str,
+    out_dir: Path,
+    notes: list[str],
+) -> BuiltWheel:
+    """Unpack the official wheel, put the patched files and the new version
+    in, and pack it into `out_dir` (notes gets what was not shipped)."""
     timings = {}
     with tempfile.TemporaryDirectory(dir=out_dir, prefix=".apply-wheel-") as tmp:
         t0 = time.monotonic()
-        wheel_step(python, "unpack", "--dest", str(Path(tmp) / "in"), str(src))
+        wheel_step(job.python, "unpack", "--dest", str(Path(tmp) / "in"), str(job.src))
         timings["unpack"] = time.monotonic() - t0
-        root = next((Path(tmp) / "in").iterdir())
-        infos = [d for d in root.iterdir() if d.name.endswith(".dist-info")]
-        if len(infos) != 1:
-            raise UserError(f"{src.name}: expected one .dist-info directory")
-        tops = {d.name for d in root.iterdir()} - {infos[0].name}
-        shipped = {}
-        for path, status in sorted(changes.items()):
-            if PurePosixPath(path).parts[0] not in tops:
-                notes.append(f"not in the wheel (not shipped): {path}")
-                continue
-            target = root / path
-            if status in ("M", "D") and not target.is_file():
-                notes.append(f"the official wheel lacks {path} ({status})")
-            if status == "D":
-                target.unlink(missing_ok=True)
-            else:
-                target.parent.mkdir(parents=True, exist_ok=True)
-                target.write_bytes(data[path])
-                target.chmod(0o755 if new[path][0] == "100755" else 0o644)
-            shipped[path] = status
-        set_version_py(root / "vllm" / "_version.py", release, version, local)
-        set_wheel_tags(infos[0] / "WHEEL", name)
-        manifest = {
-            "tool": "apply.py wheel",
-            "version": version,
-            "release": release,
-            "stack": stack.name,
-            "series_sha256": series.digest(stack),
-            "base": {
-                "rev": base.rev,
-                "commit": base.commit,
-                "upstream_commit": base.upstream_commit,
-            },
-            "from_wheel": {"file": src.name, "sha256": h.hexdigest()},
-            "patches": [
-                {
-                    "file": p.file,
-                    "subject": p.subject,
-                    "upstream_status": (p.values("Upstream-Status") or [""])[0],
-                    "files": p.files,
-                }
-                for p in patches
-            ],
-            "files": shipped,
-            # what status --installed compares the installed files with
-            "file_hashes": {
-                path: h
-                for path, h in hashes.items()
-                if PurePosixPath(path).parts[0] in tops
-            },
-        }
-        if base.assembled:  # the pinned files it ships besides the patches
-            manifest["assembled"] = base.assembled
-        (infos[0] / WHEEL_MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+        root, info, tops = unpacked_layout(Path(tmp) / "in", job.src)
+        shipped = ship_changes(root, tops, tree, notes)
+        set_version_py(
+            root / "vllm" / "_version.py", job.release, job.version, job.local
+        )
+        set_wheel_tags(info / "WHEEL", job.name)
+        manifest = wheel_manifest(job, tree, src_sha256, shipped, tops)
+        (info / WHEEL_MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
         t0 = time.monotonic()
-        pack = ["pack", "--dest-dir", str(Path(tmp) / "out"), "--local-version", local]
-        if name["build"]:
-            pack += ["--build-number", name["build"]]
-        (Path(tmp) / "out").mkdir()
-        wheel_step(python, *pack, str(root))
+        out = pack_wheel(job, root, Path(tmp) / "out", out_dir)
         timings["pack"] = time.monotonic() - t0
-        built = list((Path(tmp) / "out").glob("*.whl"))
-        build = f"-{name['build']}" if name["build"] else ""
-        want = f"vllm-{version}{build}-{name['py']}-{name['abi']}-{name['plat']}.whl"
-        if len(built) != 1 or built[0].name != want:
-            raise UserError(
-                f"wheel pack wrote {[b.name for b in built]}, expected {want}"
-            )
-        out = out_dir / want
-        os.replace(built[0], out)
-    seconds = time.monotonic() - t_start
+    return BuiltWheel(out, shipped, manifest, timings)
+
+
+def unpacked_layout(unpacked: Path, src: Path) -> tuple[Path, Path, set[str]]:
+    """The unpacked wheel's root, its one .dist-info, and its other top-level
+    names (what the wheel ships)."""
+    root = next(unpacked.iterdir())
+    infos = [d for d in root.iterdir() if d.name.endswith(".dist-info")]
+    if len(infos) != 1:
+        raise UserError(f"{src.name}: expected one .dist-info directory")
+    tops = {d.name for d in root.iterdir()} - {infos[0].name}
+    return root, infos[0], tops
+
+
+def ship_changes(
+    root: Path, tops: set[str], tree: PatchedTree, notes: list[str]
+) -> dict[str, str]:
+    """The patched tree's changes written into the unpacked wheel where it
+    ships them: {path: A | M | D}; the others go to notes."""
+    shipped = {}
+    for path, status in sorted(tree.changes.items()):
+        if PurePosixPath(path).parts[0] not in tops:
+            notes.append(f"not in the wheel (not shipped): {path}")
+            continue
+        target = root / path
+        if status in ("M", "D") and not target.is_file():
+            notes.append(f"the official wheel lacks {path} ({status})")
+        if status == "D":
+            target.unlink(missing_ok=True)
+        else:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.write_bytes(tree.data[path])
+            target.chmod(0o755 if tree.new[path][0] == "100755" else 0o644)
+        shipped[path] = status
+    return shipped
+
+
+def wheel_manifest(
+    job: WheelJob,
+    tree: PatchedTree,
+    src_sha256: str,
+    shipped: dict[str, str],
+    tops: set[str],
+) -> dict:
+    """The wheel's vllm_patches.json: what it is made of."""
+    base = job.base
+    manifest = {
+        "tool": "apply.py wheel",
+        "version": job.version,
+        "release": job.release,
+        "stack": job.stack.name,
+        "series_sha256": job.series.digest(job.stack),
+        "base": {
+            "rev": base.rev,
+            "commit": base.commit,
+            "upstream_commit": base.upstream_commit,
+        },
+        "from_wheel": {"file": job.src.name, "sha256": src_sha256},
+        "patches": [
+            {
+                "file": p.file,
+                "subject": p.subject,
+                "upstream_status": (p.values("Upstream-Status") or [""])[0],
+                "files": p.files,
+            }
+            for p in job.patches
+        ],
+        "files": shipped,
+        # what status --installed compares the installed files with
+        "file_hashes": {
+            path: h
+            for path, h in tree.hashes.items()
+            if PurePosixPath(path).parts[0] in tops
+        },
+    }
+    if base.assembled:  # the pinned files it ships besides the patches
+        manifest["assembled"] = base.assembled
+    return manifest
+
+
+def pack_wheel(job: WheelJob, root: Path, dest: Path, out_dir: Path) -> Path:
+    """`wheel pack` of the unpacked tree with the local version, moved to
+    `out_dir` under the official wheel's tags."""
+    name = job.name
+    pack = ["pack", "--dest-dir", str(dest), "--local-version", job.local]
+    if name["build"]:
+        pack += ["--build-number", name["build"]]
+    dest.mkdir()
+    wheel_step(job.python, *pack, str(root))
+    built = list(dest.glob("*.whl"))
+    build = f"-{name['build']}" if name["build"] else ""
+    want = f"vllm-{job.version}{build}-{name['py']}-{name['abi']}-{name['plat']}.whl"
+    if len(built) != 1 or built[0].name != want:
+        raise UserError(f"wheel pack wrote {[b.name for b in built]}, expected {want}")
+    out = out_dir / want
+    os.replace(built[0], out)
+    return out
+
+
+def report_wheel(
+    job: WheelJob,
+    built: BuiltWheel,
+    notes: list[str],
+    seconds: float,
+    src_size: int,
+    json_path: str | None,
+) -> None:
+    """What was built, printed; and as JSON where --json says."""
+    out, shipped, timings = built.out, built.shipped, built.timings
     size = out.stat().st_size
     delta = size - src_size
     print(out)
     print(
-        f"  vllm {version}: stack {stack.name} ({len(patches)} patch(es)) on "
-        f"{base.rev} ({base.commit[:12]}), from {src.name}"
+        f"  vllm {job.version}: stack {job.stack.name} ({len(job.patches)} "
+        f"patch(es)) on {job.base.rev} ({job.base.commit[:12]}), from {job.src.name}"
     )
     for path, status in shipped.items():
         print(f"    {status} {path}")
@@ -426,13 +582,13 @@ def cmd_wheel(args: argparse.Namespace) -> int:
         f"wheel pack {timings['pack']:.1f} s); size {src_size} -> {size} "
         f"bytes ({delta:+d} B, {100 * delta / src_size:+.4f}%)"
     )
-    if args.json:
-        Path(args.json).write_text(
+    if json_path:
+        Path(json_path).write_text(
             json.dumps(
                 {
                     "wheel": str(out),
-                    "version": version,
-                    "from_wheel": str(src),
+                    "version": job.version,
+                    "from_wheel": str(job.src),
                     "seconds": round(seconds, 2),
                     "unpack_seconds": round(timings["unpack"], 2),
                     "pack_seconds": round(timings["pack"], 2),
@@ -441,10 +597,9 @@ def cmd_wheel(args: argparse.Namespace) -> int:
                     "size_delta": delta,
                     "files": shipped,
                     "notes": notes,
-                    "manifest": manifest,
+                    "manifest": built.manifest,
                 },
                 indent=2,
             )
             + "\n"
         )
-    return 0
