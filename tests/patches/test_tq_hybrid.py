@@ -94,87 +94,81 @@ TQ_BITS = {
 # --------------------------------------------------------------------------
 
 
+# Published shapes; vocab_size is kept small, nothing else is changed.
+QWEN3_5_9B_TEXT = dict(
+    num_hidden_layers=32,
+    full_attention_interval=4,
+    num_attention_heads=16,
+    num_key_value_heads=4,
+    head_dim=256,
+    hidden_size=4096,
+    intermediate_size=12288,
+    linear_num_key_heads=16,
+    linear_num_value_heads=32,
+    linear_key_head_dim=128,
+    linear_value_head_dim=128,
+    linear_conv_kernel_dim=4,
+    vocab_size=1024,
+)
+QWEN3_NEXT_80B = {  # the same linear-attention shape; the MLP left default
+    **{k: v for k, v in QWEN3_5_9B_TEXT.items() if k != "intermediate_size"},
+    "num_hidden_layers": 48,
+    "num_key_value_heads": 2,
+    "hidden_size": 2048,
+    "architectures": ["Qwen3NextForCausalLM"],
+}
+JAMBA_V0_1 = dict(
+    num_hidden_layers=32,
+    attn_layer_period=8,
+    attn_layer_offset=4,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    hidden_size=4096,
+    mamba_d_state=16,
+    mamba_d_conv=4,
+    mamba_expand=2,
+    vocab_size=1024,
+    architectures=["JambaForCausalLM"],
+)
+LLAMA_3_8B = dict(
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    hidden_size=4096,
+    max_position_embeddings=4096,
+    vocab_size=1024,
+    architectures=["LlamaForCausalLM"],
+)
+
+
+def hf_config(cls_name: str, shape: dict[str, Any], **overrides: Any) -> Any:
+    """A transformers config of that class: the shape, with overrides."""
+    import transformers
+
+    return getattr(transformers, cls_name)(**{**shape, **overrides})
+
+
 def qwen3_5_9b() -> Any:
     """Qwen3.5-9B's text config, nested as in the released checkpoint."""
-    from transformers import Qwen3_5Config
-
-    text_config = dict(
-        num_hidden_layers=32,
-        full_attention_interval=4,
-        num_attention_heads=16,
-        num_key_value_heads=4,
-        head_dim=256,
-        hidden_size=4096,
-        intermediate_size=12288,
-        linear_num_key_heads=16,
-        linear_num_value_heads=32,
-        linear_key_head_dim=128,
-        linear_value_head_dim=128,
-        linear_conv_kernel_dim=4,
-        vocab_size=1024,
-    )
-    return Qwen3_5Config(
-        text_config=text_config, architectures=["Qwen3_5ForConditionalGeneration"]
+    return hf_config(
+        "Qwen3_5Config",
+        {"architectures": ["Qwen3_5ForConditionalGeneration"]},
+        text_config=QWEN3_5_9B_TEXT,
     )
 
 
 def qwen3_next(**overrides: Any) -> Any:
     """Qwen3-Next-80B-A3B's shape: 48 layers, full attention every 4th."""
-    from transformers import Qwen3NextConfig
-
-    kwargs: dict[str, Any] = dict(
-        num_hidden_layers=48,
-        full_attention_interval=4,
-        num_attention_heads=16,
-        num_key_value_heads=2,
-        head_dim=256,
-        hidden_size=2048,
-        linear_num_key_heads=16,
-        linear_num_value_heads=32,
-        linear_key_head_dim=128,
-        linear_value_head_dim=128,
-        linear_conv_kernel_dim=4,
-        vocab_size=1024,
-        architectures=["Qwen3NextForCausalLM"],
-    )
-    kwargs.update(overrides)
-    return Qwen3NextConfig(**kwargs)
+    return hf_config("Qwen3NextConfig", QWEN3_NEXT_80B, **overrides)
 
 
 def jamba(**overrides: Any) -> Any:
     """Jamba-v0.1's shape: 32 layers, attention at 4, 12, 20, 28."""
-    from transformers import JambaConfig
-
-    kwargs: dict[str, Any] = dict(
-        num_hidden_layers=32,
-        attn_layer_period=8,
-        attn_layer_offset=4,
-        num_attention_heads=32,
-        num_key_value_heads=8,
-        hidden_size=4096,
-        mamba_d_state=16,
-        mamba_d_conv=4,
-        mamba_expand=2,
-        vocab_size=1024,
-        architectures=["JambaForCausalLM"],
-    )
-    kwargs.update(overrides)
-    return JambaConfig(**kwargs)
+    return hf_config("JambaConfig", JAMBA_V0_1, **overrides)
 
 
 def llama(num_hidden_layers: int = 32) -> Any:
     """Dense control: Llama-3-8B's attention shape."""
-    from transformers import LlamaConfig
-
-    return LlamaConfig(
-        num_hidden_layers=num_hidden_layers,
-        num_attention_heads=32,
-        num_key_value_heads=8,
-        hidden_size=4096,
-        max_position_embeddings=4096,
-        vocab_size=1024,
-        architectures=["LlamaForCausalLM"],
-    )
+    return hf_config("LlamaConfig", LLAMA_3_8B, num_hidden_layers=num_hidden_layers)
 
 
 # Expected full-attention layers, written from each model's published layer
