@@ -119,12 +119,22 @@ def export_ref(repo: Path, name: str, force: bool) -> str:
     return ref
 
 
+def export_stem(series: Series, entry: str) -> str:
+    """The name of the patch's branch and files: its file stem, prefixed by
+    its stack where another stack has a patch of the same name (a ported
+    patch keeps its name)."""
+    name = Path(entry).name
+    same = [e for s in series.stacks for e in s.patches if Path(e).name == name]
+    stem = Path(entry).stem
+    return f"{Path(entry).parent.name}-{stem}" if len(same) > 1 else stem
+
+
 def cmd_export(args: argparse.Namespace) -> int:
     """apply.py export: the patch as one PR commit on a branch, with its
     regression tests adapted, its PR description and its patch file."""
     job = export_job(args)
     base = export_base(args, job.stack, job.entry)
-    stem = Path(job.entry).stem
+    stem = export_stem(job.series, job.entry)
     branch = args.branch or f"{REF_NS[len('refs/heads/') :]}/pr/{stem}"
     ref = export_ref(base.repo, branch, args.force)
     ident = git_identity(base.repo)
@@ -467,7 +477,7 @@ def report_export(
             f"  note: {base.repo} is the tool's cache: its {base.rev} is the "
             "release's Python sources (from the wheel), not vLLM's history. "
             "To open the PR, export in a vLLM clone "
-            f"(apply.py export {stem} --repo ~/src/vllm), or carry the "
+            f"(apply.py export {ex.entry} --repo ~/src/vllm), or carry the "
             f"commit to a branch at {base.rev} there: git -C ~/src/vllm am -k "
             f"{ex.patch_file}"
         )

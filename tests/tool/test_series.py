@@ -89,3 +89,25 @@ def test_bare_base_picks_the_stack_pinned_there(tmp_path: Path) -> None:
     assert picks == {"v0.33.0": "b", "v0.20.2": "a", "v0.27.0": "a",
                      "v0.34.1": "b", "v0.19.0": "a", "abc123": "a"}
     assert series.pick_stack("c", "v0.33.0").name == "c"
+
+
+def test_export_names_a_ported_patch_by_its_stack(tmp_path: Path) -> None:
+    """A patch carried to a new stack keeps its file name; its PR branch and
+    files are prefixed by the stack, so the two exports do not collide."""
+    from applylib.export import export_stem
+    from applylib.series import parse_series
+
+    s = tmp_path / "series"
+    s.write_text(
+        "#@ stack a repo=https://example.invalid/v tag=v0.20.2\n"
+        "a/0001-fix.patch\na/0002-other.patch\n"
+        "#@ stack a-v0.33 repo=https://example.invalid/v tag=v0.33.0\n"
+        "a-v0.33/0001-fix.patch\n")
+    for f in ("a/0001-fix", "a/0002-other", "a-v0.33/0001-fix"):
+        (tmp_path / "patches" / f"{f}.patch").parent.mkdir(parents=True,
+                                                          exist_ok=True)
+        (tmp_path / "patches" / f"{f}.patch").write_text("")
+    series = parse_series(s, need_patches=False)
+    assert export_stem(series, "a/0002-other.patch") == "0002-other"
+    assert export_stem(series, "a/0001-fix.patch") == "a-0001-fix"
+    assert export_stem(series, "a-v0.33/0001-fix.patch") == "a-v0.33-0001-fix"
