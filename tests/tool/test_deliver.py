@@ -1039,6 +1039,9 @@ def test_real_export(real: dict, tmp_path: Path) -> None:
 def test_real_series_exports(tmp_path: Path) -> None:
     """Each patch of the project's own series exports (when the series lists
     any and the v0.20.2 base is at hand)."""
+    from applylib.export import export_stem
+    from applylib.series import parse_series
+
     series = ROOT / "series"
     listed = [ln.strip() for ln in series.read_text().splitlines()
               if ln.strip() and not ln.startswith("#")]
@@ -1057,7 +1060,9 @@ def test_real_series_exports(tmp_path: Path) -> None:
         r = run_tool("export", entry, "--repo", str(user), "--series",
                      str(series), cache=tmp_path / "cache", cwd=tmp_path)
         assert r.returncode == 0, r.stdout + r.stderr
-        ref = f"refs/heads/patched/pr/{Path(entry).stem}"
+        # a ported patch shares its file name with tq-v0.33's: the stack
+        # prefixes it (export_stem)
+        ref = f"refs/heads/patched/pr/{export_stem(parse_series(series), entry)}"
         parent = git("rev-parse", f"{ref}^", cwd=user)
         assert git("rev-list", "--count", f"{parent}..{ref}", cwd=user) == "1"
         added = git("diff", "--name-only", "--diff-filter=A", parent, ref,
