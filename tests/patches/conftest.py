@@ -125,20 +125,11 @@ def _accelerator_empty_cache_noop(monkeypatch: pytest.MonkeyPatch) -> None:
 
 @pytest.fixture
 def cpu_platform(vllm_tree: Path, monkeypatch: pytest.MonkeyPatch):
-    """Install vLLM's CpuPlatform as ``current_platform`` (an uninstalled
-    tree detects none: detection reads the installed package's metadata).
+    """Install vLLM's platform for the tree as ``current_platform``
+    (``tqharness.install_platform``): CpuPlatform, also on a GPU when the
+    tree is a plain source tree (CudaPlatform needs vLLM's compiled
+    extensions, which it lacks; the tensors and Triton kernels still run on
+    the GPU). A built tree (``vllm/_C*.so`` present) gets CudaPlatform."""
+    import tqharness
 
-    Also on a GPU when the tree is a plain source tree: CudaPlatform needs
-    vLLM's compiled extensions (``vllm._C``, ``vllm.vllm_flash_attn``), which
-    it lacks; the tensors and Triton kernels still run on the GPU. A built
-    tree (``vllm/_C*.so`` present) gets CudaPlatform."""
-    import vllm.platforms as platforms
-
-    if HAS_CUDA and any((vllm_tree / "vllm").glob("_C.*so")):
-        from vllm.platforms.cuda import CudaPlatform as Platform
-    else:
-        from vllm.platforms.cpu import CpuPlatform as Platform  # type: ignore
-
-    plat = Platform()
-    monkeypatch.setattr(platforms, "_current_platform", plat)
-    return plat
+    return tqharness.install_platform(vllm_tree, monkeypatch.setattr)

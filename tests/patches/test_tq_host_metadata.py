@@ -190,22 +190,8 @@ def env(
     vllm_tree: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[SimpleNamespace]:
     global _vllm_dir
-    import vllm.platforms as platforms
-
     with pytest.MonkeyPatch.context() as mp:
-        # An uninstalled tree detects no platform (see conftest.py); a source
-        # tree lacks the compiled extensions CudaPlatform needs.
-        if HAS_CUDA and any((vllm_tree / "vllm").glob("_C.*so")):
-            from vllm.platforms.cuda import CudaPlatform as Platform
-        else:
-            from vllm.platforms.cpu import CpuPlatform as Platform  # type: ignore
-        mp.setattr(platforms, "_current_platform", Platform())
-        if torch.accelerator.current_accelerator() is None:
-            mp.setattr(torch.accelerator, "empty_cache", lambda: None)
-        from vllm.config import set_current_vllm_config
-        from vllm.model_executor.layers.quantization.turboquant.centroids import (
-            get_centroids,
-        )
+        h.install_platform(vllm_tree, mp.setattr)
         from vllm.v1.worker import workspace
 
         tq = importlib.import_module(TQ_MODULE)
@@ -231,42 +217,22 @@ def env(
         spec = h.runner_kv_cache_spec(attn, config)
         assert h.is_turboquant_spec(spec) and spec.block_size == BLOCK
         yield Env(
-            tq=tq,
-            config=config,
-            spec=spec,
-            layer_name=attn.layer_name,
-            set_config=set_current_vllm_config,
-            get_centroids=get_centroids,
-            tree=vllm_tree,
+            tq=tq, config=config, spec=spec, layer_name=attn.layer_name, tree=vllm_tree
         )
         workspace.reset_workspace_manager()
         _vllm_dir = None
 
 
 def make_impl(env: SimpleNamespace, tq: Any = None, preset: str = PRESET) -> Any:
-    tq = tq or env.tq
-    with env.set_config(env.config):
-        return tq.TurboQuantAttentionImpl(
-            num_heads=HQ,
-            head_size=HEAD,
-            scale=HEAD**-0.5,
-            num_kv_heads=HK,
-            kv_cache_dtype=preset,
-        )
+    return h.tq_impl(env.config, HQ, HEAD, HK, preset, tq or env.tq)
 
 
 def make_layer(env: SimpleNamespace, impl: Any) -> torch.nn.Module:
-    # In the engine the Attention layer registers the centroids as a buffer,
-    # so they live on the layer's device.
-    layer = torch.nn.Module()
-    centroids = env.get_centroids(HEAD, impl.tq_config.centroid_bits)
-    layer.register_buffer("_tq_centroids", centroids.to(DEVICE))
-    return layer
+    return h.centroids_layer(impl, HEAD, DEVICE)
 
 
 def make_builder(env: SimpleNamespace, tq: Any = None) -> Any:
-    tq = tq or env.tq
-    return tq.TurboQuantMetadataBuilder(env.spec, [env.layer_name], env.config, DEVICE)
+    return h.tq_builder(env.config, env.spec, [env.layer_name], DEVICE, tq or env.tq)
 
 
 # --------------------------------------------------------------------------
@@ -596,49 +562,6 @@ def test_forward_reads_no_device_tensor(env, scenario: str) -> None:
 # --------------------------------------------------------------------------
 
 
-def _fake_flash_attn_varlen_func(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    cu_seqlens_q: torch.Tensor,
-    cu_seqlens_k: torch.Tensor,
-    max_seqlen_q: int,
-    max_seqlen_k: int,
-    softmax_scale: float,
-    causal: bool,
-    fa_version: int | None = None,
-    return_softmax_lse: bool = False,
-    return_attn_probs: bool = False,
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """flash_attn_varlen_func in PyTorch (float32, bottom-right causal),
-    with the (Hq, total_q) log-sum-exp when asked for it.
-
-    Reads cu_seqlens on the host: it stands for a kernel, which reads them
-    on the device.
-    """
-    cq, ck = plain(cu_seqlens_q).tolist(), plain(cu_seqlens_k).tolist()
-    out = torch.empty_like(q)
-    lse = torch.empty(q.shape[1], q.shape[0], dtype=torch.float32, device=q.device)
-    for s in range(len(cq) - 1):
-        qs, ks = q[cq[s] : cq[s + 1]].float(), k[ck[s] : ck[s + 1]].float()
-        vs = v[ck[s] : ck[s + 1]].float()
-        lq, lk = qs.shape[0], ks.shape[0]
-        assert lq <= max_seqlen_q and lk <= max_seqlen_k
-        rep = qs.shape[1] // ks.shape[1]
-        ks, vs = ks.repeat_interleave(rep, 1), vs.repeat_interleave(rep, 1)
-        scores = torch.einsum("qhd,khd->hqk", qs, ks) * softmax_scale
-        if causal:
-            mask = torch.arange(lk)[None, :] <= torch.arange(lq)[:, None] + (lk - lq)
-            scores = scores.masked_fill(~mask.to(scores.device), float("-inf"))
-        out[cq[s] : cq[s + 1]] = torch.einsum(
-            "hqk,khd->qhd", scores.softmax(-1), vs
-        ).to(q.dtype)
-        lse[:, cq[s] : cq[s + 1]] = scores.logsumexp(-1)
-    if return_softmax_lse or return_attn_probs:
-        return out, lse
-    return out
-
-
 @pytest.mark.bug_signature(AssertionError, HOST_READ)
 @pytest.mark.cpu_only  # a CPU stand-in for flash-attn
 @pytest.mark.parametrize("scenario", ["first_chunk", "mixed", "large_continuation"])
@@ -649,7 +572,7 @@ def test_forward_flash_attn_paths_read_no_device_tensor(
     continuation) with a PyTorch stand-in for the kernel."""
     monkeypatch.setattr(env.tq, "_HAS_FLASH_ATTN", True)
     monkeypatch.setattr(
-        env.tq, "flash_attn_varlen_func", _fake_flash_attn_varlen_func, raising=False
+        env.tq, "flash_attn_varlen_func", h.ReferenceFlashAttn(), raising=False
     )
     impl = make_impl(env)
     impl.fa_version = None

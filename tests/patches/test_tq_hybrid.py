@@ -117,26 +117,22 @@ QWEN3_NEXT_80B = {  # the same linear-attention shape; the MLP left default
     "hidden_size": 2048,
     "architectures": ["Qwen3NextForCausalLM"],
 }
+# The attention shape Jamba-v0.1 and Llama-3-8B share.
+GQA_32_8 = dict(
+    num_attention_heads=32, num_key_value_heads=8, hidden_size=4096, vocab_size=1024
+)
 JAMBA_V0_1 = dict(
+    GQA_32_8,
     num_hidden_layers=32,
     attn_layer_period=8,
     attn_layer_offset=4,
-    num_attention_heads=32,
-    num_key_value_heads=8,
-    hidden_size=4096,
     mamba_d_state=16,
     mamba_d_conv=4,
     mamba_expand=2,
-    vocab_size=1024,
     architectures=["JambaForCausalLM"],
 )
 LLAMA_3_8B = dict(
-    num_attention_heads=32,
-    num_key_value_heads=8,
-    hidden_size=4096,
-    max_position_embeddings=4096,
-    vocab_size=1024,
-    architectures=["LlamaForCausalLM"],
+    GQA_32_8, max_position_embeddings=4096, architectures=["LlamaForCausalLM"]
 )
 
 
@@ -391,18 +387,49 @@ def check_kv_cache_specs(
     """The invariants the KV cache manager and the runner rely on. A KV
     cache grouping that raises fails the test with its message (the
     regression test keeps the exception, for its signature)."""
-    from vllm.config import set_current_vllm_config
-    from vllm.v1.kv_cache_interface import AttentionSpec, MambaSpec
-    from vllm.v1.worker.utils import select_common_block_size
-
     model_config = vllm_config.model_config
-    cache_config = vllm_config.cache_config
     num_kv_heads = model_config.get_num_kv_heads(vllm_config.parallel_config)
     head_size = model_config.get_head_size()
     tq_token = num_kv_heads * tq_slot_bytes(preset, head_size)
     native_token = num_kv_heads * 2 * head_size * model_config.dtype.itemsize
+    by_kind = layer_kinds(specs, tq_token, native_token)
+    assert by_kind["tq"] == tq_layers
+    assert by_kind["native"] == native_layers
+    groups = grouped(vllm_config, specs, raise_grouping_errors)
+    page = shared_page(groups, specs, tq_token, native_token)
+    # That page is the Mamba state page, padded to block_size times the
+    # per-token unit, and every layer's own page divides it.
+    mamba_pages = {
+        specs[f"model.layers.{i}.mixer"].page_size_bytes for i in by_kind["mamba"]
+    }
+    assert mamba_pages == {page}, (
+        f"Mamba state pages {mamba_pages} differ from the shared page {page}: "
+        "the KV cache manager pads them again"
+    )
+    # Padded unless the state happens to fill whole attention pages already.
+    assert vllm_config.cache_config.mamba_page_size_padded in (None, page)
+    unit = math.lcm(tq_token, native_token) if native_layers else tq_token
+    assert page == vllm_config.cache_config.block_size * unit
+    for spec in specs.values():
+        assert page % spec.page_size_bytes == 0
+    check_runner_fits(vllm_config, groups, specs, backends, page)
 
-    # TurboQuant exactly on the attention layers not kept native.
+
+def build_and_check_kv_cache_specs(
+    vllm_config: Any, monkeypatch, kv_cache_utils: Any, preset: str, *args, **kw
+) -> None:
+    """``build_kv_cache_specs``, then ``check_kv_cache_specs`` on them."""
+    specs, backends = build_kv_cache_specs(vllm_config, monkeypatch)
+    check_kv_cache_specs(
+        vllm_config, specs, backends, kv_cache_utils, preset, *args, **kw
+    )
+
+
+def layer_kinds(specs: dict, tq_token: int, native_token: int) -> dict:
+    """Layer indices by kind (TurboQuant, native attention, Mamba), each
+    attention page holding its layout's bytes per token."""
+    from vllm.v1.kv_cache_interface import AttentionSpec, MambaSpec
+
     by_kind: dict[str, list[int]] = {"tq": [], "native": [], "mamba": []}
     for name, spec in specs.items():
         index = int(name.split(".")[2])
@@ -415,26 +442,33 @@ def check_kv_cache_specs(
         else:
             assert isinstance(spec, MambaSpec)
             by_kind["mamba"].append(index)
-    assert by_kind["tq"] == tq_layers
-    assert by_kind["native"] == native_layers
+    return by_kind
 
-    # The KV cache manager gives all groups one physical page size; it raises
-    # when a layer's page does not divide the largest one.
+
+def grouped(vllm_config: Any, specs: dict, raise_errors: bool) -> list[Any]:
+    """The KV cache groups; a grouping that raises fails the test with its
+    place in the tree (or raises, for a regression test's signature)."""
     try:
-        groups = h.kv_cache_groups(vllm_config, specs)
+        return h.kv_cache_groups(vllm_config, specs)
     except (NotImplementedError, AssertionError) as e:
-        if raise_grouping_errors:
+        if raise_errors:
             raise
         frame = traceback.extract_tb(e.__traceback__)[-1]
         where = f"{Path(frame.filename).relative_to(h.tree_root())}:{frame.lineno}"
         pytest.fail(f"KV cache grouping fails: {type(e).__name__} at {where}: {e}")
+
+
+def shared_page(groups: list, specs: dict, tq_token: int, native_token: int) -> int:
+    """The one physical page size the KV cache manager gives all groups (it
+    raises when a layer's page does not divide the largest one).
+
+    Each attention group keeps its own layout's bytes per token (the packed
+    TurboQuant slot, or native K|V): padding TurboQuant pages up to another
+    kind's gives back what it saves. Only Mamba state pages are padded."""
+    from vllm.v1.kv_cache_interface import AttentionSpec
+
     pages = {g.kv_cache_spec.page_size_bytes for g in groups}
     assert len(pages) == 1
-    (page,) = pages
-
-    # Each attention group keeps its own layout's bytes per token (the packed
-    # TurboQuant slot, or native K|V): padding TurboQuant pages up to another
-    # kind's gives back what it saves. Only Mamba state pages are padded.
     for group in groups:
         spec = group.kv_cache_spec
         if not isinstance(spec, AttentionSpec):
@@ -449,22 +483,17 @@ def check_kv_cache_specs(
             f"layout needs {own} (TurboQuant {tq_token}, native {native_token}): "
             "pages padded to another kind's size"
         )
+    return pages.pop()
 
-    # That page is the Mamba state page, padded to block_size times the
-    # per-token unit, and every layer's own page divides it.
-    mamba_pages = {
-        specs[f"model.layers.{i}.mixer"].page_size_bytes for i in by_kind["mamba"]
-    }
-    assert mamba_pages == {page}, (
-        f"Mamba state pages {mamba_pages} differ from the shared page {page}: "
-        "the KV cache manager pads them again"
-    )
-    # Padded unless the state happens to fill whole attention pages already.
-    assert cache_config.mamba_page_size_padded in (None, page)
-    unit = math.lcm(tq_token, native_token) if native_layers else tq_token
-    assert page == cache_config.block_size * unit
-    for spec in specs.values():
-        assert page % spec.page_size_bytes == 0
+
+def check_runner_fits(
+    vllm_config: Any, groups: list, specs: dict, backends: dict, page: int
+) -> None:
+    """The runner finds a kernel block size for every attention group, and
+    the KV cache config's tensors hold every page without overlap."""
+    from vllm.config import set_current_vllm_config
+    from vllm.v1.kv_cache_interface import AttentionSpec
+    from vllm.v1.worker.utils import select_common_block_size
 
     with set_current_vllm_config(vllm_config):
         for group in groups:
@@ -530,15 +559,8 @@ def test_hybrid_tq_layers_are_full_attention_layers(
     skips = vllm_config.cache_config.kv_cache_dtype_skip_layers
     assert {int(i) for i in skips} <= set(expected)
     assert skips == []
-    specs, backends = build_kv_cache_specs(vllm_config, monkeypatch)
-    check_kv_cache_specs(
-        vllm_config,
-        specs,
-        backends,
-        kv_cache_utils,
-        "turboquant_4bit_nc",
-        tq_layers=expected,
-        native_layers=[],
+    build_and_check_kv_cache_specs(
+        vllm_config, monkeypatch, kv_cache_utils, "turboquant_4bit_nc", expected, []
     )
 
 
@@ -553,11 +575,9 @@ def test_hybrid_user_skip_layers_keep_native_dtype(
     vllm_config = hybrid_engine_config(
         make_config(), tmp_path, skip_layers=[str(i) for i in [0, *skipped]]
     )
-    specs, backends = build_kv_cache_specs(vllm_config, monkeypatch)
-    check_kv_cache_specs(
+    build_and_check_kv_cache_specs(
         vllm_config,
-        specs,
-        backends,
+        monkeypatch,
         kv_cache_utils,
         "turboquant_4bit_nc",
         tq_layers=[i for i in expected if i not in skipped],
@@ -656,15 +676,13 @@ def test_hybrid_page_planner_uses_tq_slot(
     make_config, expected = HYBRIDS[name]
     vllm_config = engine_config(make_config(), tmp_path, kv_cache_dtype="auto")
     vllm_config.cache_config.cache_dtype = "turboquant_4bit_nc"
-    specs, backends = build_kv_cache_specs(vllm_config, monkeypatch)
-    check_kv_cache_specs(
+    build_and_check_kv_cache_specs(
         vllm_config,
-        specs,
-        backends,
+        monkeypatch,
         kv_cache_utils,
         "turboquant_4bit_nc",
-        tq_layers=expected,
-        native_layers=[],
+        expected,
+        [],
         raise_grouping_errors=True,
     )
 
@@ -676,9 +694,8 @@ def test_hybrid_page_size_unifies_with_mamba(
 ):
     make_config, expected = HYBRIDS[name]
     vllm_config = hybrid_engine_config(make_config(), tmp_path, kv_cache_dtype=preset)
-    specs, backends = build_kv_cache_specs(vllm_config, monkeypatch)
-    check_kv_cache_specs(
-        vllm_config, specs, backends, kv_cache_utils, preset, expected, []
+    build_and_check_kv_cache_specs(
+        vllm_config, monkeypatch, kv_cache_utils, preset, expected, []
     )
 
 
@@ -694,10 +711,9 @@ def test_hybrid_page_size_unifies_with_skip_layers(
         kv_cache_dtype=preset,
         skip_layers=[str(i) for i in skipped],
     )
-    specs, backends = build_kv_cache_specs(vllm_config, monkeypatch)
     tq_layers = [i for i in expected if i not in skipped]
-    check_kv_cache_specs(
-        vllm_config, specs, backends, kv_cache_utils, preset, tq_layers, skipped
+    build_and_check_kv_cache_specs(
+        vllm_config, monkeypatch, kv_cache_utils, preset, tq_layers, skipped
     )
 
 

@@ -22,7 +22,6 @@ tests run with larger shapes.
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,6 +29,7 @@ from typing import Any
 
 import pytest
 import torch
+import tqharness as h
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -59,24 +59,9 @@ DECODE_THRESHOLD = 128
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A local HF config (no weights): enough for EngineArgs on a CPU box."""
-    path = tmp_path_factory.mktemp("tiny_qwen3")
-    config = {
-        "architectures": ["Qwen3ForCausalLM"],
-        "model_type": "qwen3",
-        "hidden_size": 256,
-        "intermediate_size": 512,
-        "num_attention_heads": 2,
-        "num_key_value_heads": 1,
-        "head_dim": 128,
-        "num_hidden_layers": NUM_MODEL_LAYERS,
-        "max_position_embeddings": 1 << 20,
-        "vocab_size": 1024,
-        "torch_dtype": "float16",
-        "rms_norm_eps": 1e-6,
-        "rope_theta": 1000000,
-    }
-    (path / "config.json").write_text(json.dumps(config))
-    return path
+    return h.write_tiny_model(
+        tmp_path_factory.mktemp("tiny_qwen3"), num_layers=NUM_MODEL_LAYERS
+    )
 
 
 @dataclass
@@ -111,47 +96,30 @@ def make_vllm_config(
     max_num_batched_tokens: int | None,
     enable_chunked_prefill: bool = True,
 ):
-    from vllm.engine.arg_utils import EngineArgs
-
-    args = EngineArgs(
-        model=str(model_dir),
-        skip_tokenizer_init=True,
-        load_format="dummy",
-        dtype="float16" if shape.dtype == torch.float16 else "bfloat16",
-        kv_cache_dtype=shape.preset,
+    return h.make_vllm_config(
+        model_dir,
+        preset=shape.preset,
         block_size=shape.block_size,
+        dtype=shape.dtype,
         max_model_len=max_model_len,
         max_num_batched_tokens=max_num_batched_tokens,
         enable_chunked_prefill=enable_chunked_prefill,
-        max_num_seqs=8,
-        # Few KV splits keep the decode kernel cheap in Triton's interpreter.
-        attention_config={"tq_max_kv_splits_for_cuda_graph": 2},
     )
-    return args.create_engine_config()
 
 
 def build_layers(vllm_config, shape: Shape, num_layers: int, device: torch.device):
     """Attention layers as the model constructor makes them (impl included)."""
-    from vllm.config import set_current_vllm_config
-    from vllm.model_executor.layers.attention import Attention
-    from vllm.v1.attention.backends.turboquant_attn import (
-        TurboQuantAttentionBackend,
-    )
-
     layers = []
-    with set_current_vllm_config(vllm_config):
-        for i in range(num_layers):
-            layer = Attention(
-                shape.num_heads,
-                shape.head_size,
-                shape.head_size**-0.5,
-                shape.num_kv_heads,
-                cache_config=vllm_config.cache_config,
-                prefix=f"model.layers.{FIRST_TQ_LAYER + i}.self_attn.attn",
-                attn_backend=TurboQuantAttentionBackend,
-            )
-            assert layer.kv_cache_dtype == shape.preset
-            layers.append(layer.to(device))
+    for i in range(num_layers):
+        layer = h.build_tq_attention(
+            vllm_config,
+            shape.num_heads,
+            shape.head_size,
+            shape.num_kv_heads,
+            FIRST_TQ_LAYER + i,
+        )
+        assert layer.kv_cache_dtype == shape.preset
+        layers.append(layer.to(device))
     return layers
 
 
@@ -195,13 +163,9 @@ def build_tq(
 def build_builder(vllm_config, shape: Shape, layers: list, device: torch.device):
     """The metadata builder, made from the layers' KV cache spec as
     initialize_kv_cache makes it (later trees reserve workspace here)."""
-    import vllm.v1.attention.backends.turboquant_attn as tqa
-
     spec = layers[0].get_kv_cache_spec(vllm_config)
     assert spec.block_size == shape.block_size
-    return tqa.TurboQuantMetadataBuilder(
-        spec, [layer.layer_name for layer in layers], vllm_config, device
-    )
+    return h.tq_builder(vllm_config, spec, [x.layer_name for x in layers], device)
 
 
 @pytest.fixture
@@ -229,11 +193,6 @@ def shrink_tile(monkeypatch: pytest.MonkeyPatch, tokens: int) -> None:
     tqa = backend_module()
     monkeypatch.setattr(tqa, "_CONTINUATION_TILE_MIN", tokens, raising=False)
     monkeypatch.setattr(tqa, "_CONTINUATION_TILE_MAX", tokens, raising=False)
-
-
-def workspace_bytes(workspace) -> int:
-    ws = workspace.current_workspace_manager()._current_workspaces[0]
-    return 0 if ws is None else ws.numel() * ws.element_size()
 
 
 def workspace_identity(workspace) -> tuple[int, int]:
@@ -264,11 +223,7 @@ def layer_tensors(layer) -> dict[str, tuple[int, int]]:
 
 
 def tq_config(shape: Shape):
-    from vllm.model_executor.layers.quantization.turboquant.config import (
-        TurboQuantConfig,
-    )
-
-    return TurboQuantConfig.from_cache_dtype(shape.preset, shape.head_size)
+    return h.tq_config(shape.preset, shape.head_size)
 
 
 def centroids(shape: Shape) -> torch.Tensor:
@@ -437,17 +392,6 @@ def alloc_requests(tq: TQ, lens: list[tuple[int, int]], num_blocks: int) -> list
     return reqs
 
 
-def common_metadata(**fields: Any):
-    """CommonAttentionMetadata with the fields this tree has (the CPU copies
-    of seq_lens moved between releases)."""
-    import dataclasses
-
-    from vllm.v1.attention.backend import CommonAttentionMetadata
-
-    known = {f.name for f in dataclasses.fields(CommonAttentionMetadata)}
-    return CommonAttentionMetadata(**{k: v for k, v in fields.items() if k in known})
-
-
 def run_batch(
     tq: TQ,
     reqs: list[Req],
@@ -484,7 +428,7 @@ def run_batch(
     qsl = torch.zeros(len(reqs) + 1, dtype=torch.int32)
     qsl[1:] = torch.cumsum(q_lens, 0)
     num_tokens = int(qsl[-1])
-    cam = common_metadata(
+    cam = h.common_attn_metadata(
         query_start_loc=qsl.to(device),
         query_start_loc_cpu=qsl,
         seq_lens=seq_lens.to(device),
@@ -520,85 +464,9 @@ def run_batch(
     return err
 
 
-# --------------------------------------------------------------------------
-# flash-attn on a CPU box: a float64 stand-in with flash-attn's contract
-# --------------------------------------------------------------------------
-
-
-def check_cu_seqlens(q, k, cu_q, cu_k, max_q: int, max_k: int) -> None:
-    """What the real kernel assumes and would misread silently: int32
-    cu_seqlens on q's device, starting at 0, non-decreasing, within the
-    q/k tensors, every segment within max_seqlen."""
-    for name, cu, t, most in (("q", cu_q, q, max_q), ("k", cu_k, k, max_k)):
-        assert cu.dtype == torch.int32, f"cu_seqlens_{name} is {cu.dtype}"
-        assert cu.device == q.device, f"cu_seqlens_{name} on {cu.device}"
-        assert cu.dim() == 1 and cu.numel() >= 2, f"cu_seqlens_{name} {cu.shape}"
-        c = cu.tolist()
-        lens = [b - a for a, b in zip(c, c[1:], strict=False)]
-        assert c[0] == 0 and min(lens) >= 0, f"cu_seqlens_{name} {c}"
-        assert c[-1] <= t.shape[0], f"cu_seqlens_{name} {c} beyond {t.shape[0]}"
-        assert max(lens) <= most, f"cu_seqlens_{name} {c}: max_seqlen {most}"
-    assert cu_q.numel() == cu_k.numel(), "cu_seqlens_q/k batch sizes differ"
-
-
-class FakeFlashAttn:
-    """flash_attn_varlen_func: varlen, GQA, bottom-right causal, LSE.
-
-    Records every call's key length, to check that no call spans more
-    than one tile of cached context.
-    """
-
-    def __init__(self) -> None:
-        self.k_lens: list[int] = []
-
-    def __call__(
-        self,
-        q,
-        k,
-        v,
-        cu_seqlens_q,
-        cu_seqlens_k,
-        max_seqlen_q,
-        max_seqlen_k,
-        softmax_scale=None,
-        causal=False,
-        return_softmax_lse=False,
-        return_attn_probs=False,
-        fa_version=None,
-        **kwargs,
-    ):
-        check_cu_seqlens(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
-        cq, ck = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
-        total_q, Hq, D = q.shape
-        g = Hq // k.shape[1]
-        scale = softmax_scale if softmax_scale is not None else D**-0.5
-        out = torch.empty_like(q)
-        lse = torch.empty(Hq, total_q, dtype=torch.float32, device=q.device)
-        for b in range(len(cq) - 1):
-            qb = q[cq[b] : cq[b + 1]].double()
-            kb = k[ck[b] : ck[b + 1]].double().repeat_interleave(g, dim=1)
-            vb = v[ck[b] : ck[b + 1]].double().repeat_interleave(g, dim=1)
-            lq, lk = qb.shape[0], kb.shape[0]
-            self.k_lens.append(lk)
-            s = torch.einsum("qhd,khd->hqk", qb, kb) * scale
-            if causal:
-                qp = torch.arange(lq, device=q.device).unsqueeze(1) + (lk - lq)
-                s = s.masked_fill(torch.arange(lk, device=q.device) > qp, -math.inf)
-            lse_b = torch.logsumexp(s, dim=-1)
-            out[cq[b] : cq[b + 1]] = torch.einsum(
-                "hqk,khd->qhd", torch.exp(s - lse_b.unsqueeze(-1)), vb
-            ).to(q.dtype)
-            lse[:, cq[b] : cq[b + 1]] = lse_b.float()
-        if return_softmax_lse:
-            return out, lse
-        if return_attn_probs:
-            return out, lse, None
-        return out
-
-
 def use_attention_path(
     monkeypatch: pytest.MonkeyPatch, tq_module, path: str, fa_version: int | None = 3
-) -> FakeFlashAttn | None:
+) -> h.ReferenceFlashAttn | None:
     """'sdpa': vLLM without flash-attn; 'flash': flash-attn (faked on CPU)."""
     if path == "sdpa":
         monkeypatch.setattr(tq_module, "_HAS_FLASH_ATTN", False)
@@ -607,7 +475,7 @@ def use_attention_path(
     if not HAS_CUDA or not tq_module.is_flash_attn_varlen_func_available():
         # No vLLM flash-attn: a CPU box, or a GPU running a source tree (its
         # flash-attn is a compiled extension).
-        fake = FakeFlashAttn()
+        fake = h.ReferenceFlashAttn()
         monkeypatch.setattr(tq_module, "flash_attn_varlen_func", fake, raising=False)
     monkeypatch.setattr(tq_module, "_HAS_FLASH_ATTN", True)
     return fake
@@ -721,7 +589,7 @@ def test_reserved_workspace_independent_of_max_model_len(
         build_builder(
             vllm_config, shape, build_layers(vllm_config, shape, 3, device), device
         )
-        reserved[max_model_len] = workspace_bytes(tq_env)
+        reserved[max_model_len] = h.workspace_bytes()
     assert reserved[8192] > 0, "nothing reserved before lock"
     assert reserved[8192] == reserved[1 << 20], reserved
 
@@ -741,7 +609,7 @@ def test_reserved_workspace_independent_of_max_model_len(
         vllm_config, shape, build_layers(vllm_config, shape, 1, device), device
     )
     full_dequant_1m = 2 * (1 << 20) * num_kv_heads * head_size * 2
-    assert 0 < workspace_bytes(tq_env) <= full_dequant_1m // 32
+    assert 0 < h.workspace_bytes() <= full_dequant_1m // 32
 
 
 def _new_storage_sizes(fn) -> set[int]:
@@ -892,7 +760,6 @@ def _v0202_continuation(impl, layer, q, k_chunk, v_chunk, cache, bt, cached_len)
     """v0.20.2's algorithm (whole-context dequant, dense masked SDPA) in a
     test: the unpatched path, on the same cache, for comparison."""
     import torch.nn.functional as F
-
     import vllm.v1.attention.backends.turboquant_attn as tqa
 
     q_len, Hq, D = q.shape

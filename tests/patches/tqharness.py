@@ -13,17 +13,34 @@ never by its version string, and does what that tree's model runner does.
 Everything imports vLLM lazily: this module is imported at collection time,
 before ``VLLM_TREE`` is on ``sys.path``.
 
-API (used by test_tq_host_metadata.py and test_tq_hybrid.py):
+API (used by the tq tests and by the GPU scripts in ci/gpu/, through
+ci/gpu/tqlib.py):
 
+``install_platform(tree, setattr=setattr)``
+    vLLM's platform for a source tree (CpuPlatform, or CudaPlatform where
+    the tree has its compiled extensions and a GPU is there), installed as
+    ``current_platform``; a CPU-only torch gets a no-op ``empty_cache``.
 ``write_tiny_model(path, ...)``
     A local HF ``config.json`` (Qwen3 architecture, no weights).
 ``make_vllm_config(model_dir, preset=..., block_size=..., max_model_len=...)``
     A real ``VllmConfig`` through ``EngineArgs.create_engine_config``.
-``inspect_models_in_process(monkeypatch)``
+``inspect_models_in_process(monkeypatch=None)``
     Model-class inspection without vLLM's subprocess (a faster config).
 ``build_tq_attention(vllm_config, num_heads, head_size, num_kv_heads, index)``
     A real ``Attention`` layer on the TurboQuant backend (it registers itself
     in the config's forward context, so build each name once per config).
+``tq_impl(vllm_config, num_heads, head_size, num_kv_heads, preset, module)``
+/ ``centroids_layer(impl, head_size, device)``
+    A bare ``TurboQuantAttentionImpl`` built under the config, and the layer
+    state it reads (the centroids buffer the engine's layer registers).
+``tq_builder(vllm_config, spec, layer_names, device, module)``
+    The metadata builder, as ``initialize_kv_cache`` makes it.
+``workspace_bytes()``
+    Bytes held by the process's workspace manager (0 without one).
+``ReferenceFlashAttn``
+    ``flash_attn_varlen_func``'s contract in float64 PyTorch (varlen, GQA,
+    bottom-right causal, LSE), checking the arguments the real kernel would
+    misread and recording each call's key length.
 ``runner_kv_cache_specs(vllm_config)`` / ``runner_kv_cache_spec(layer,
 vllm_config)``
     The KV cache specs of the registered layers as the tree's model runner
@@ -83,6 +100,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -93,8 +111,29 @@ TQ_MODULE = "vllm.v1.attention.backends.turboquant_attn"
 
 
 # --------------------------------------------------------------------------
-# Config and layers, as the engine makes them
+# Platform, config and layers, as the engine makes them
 # --------------------------------------------------------------------------
+
+
+def install_platform(tree: Path, setattr: Any = setattr) -> Any:
+    """Install vLLM's platform for the source tree ``tree`` as
+    ``current_platform`` (an uninstalled tree detects none: detection reads
+    the installed package's metadata). CudaPlatform needs vLLM's compiled
+    extensions (``vllm/_C*.so``, ``vllm_flash_attn``): a plain source tree
+    runs on CpuPlatform, its tensors and Triton kernels on the GPU all the
+    same. ``setattr`` may be a ``monkeypatch.setattr``, to undo it."""
+    import vllm.platforms as platforms
+
+    if torch.cuda.is_available() and any((Path(tree) / "vllm").glob("_C*.so")):
+        from vllm.platforms.cuda import CudaPlatform as Platform
+    else:
+        from vllm.platforms.cpu import CpuPlatform as Platform  # type: ignore
+    platform = Platform()
+    setattr(platforms, "_current_platform", platform)
+    if torch.accelerator.current_accelerator() is None:
+        # WorkspaceManager empties the accelerator's cache when it grows.
+        setattr(torch.accelerator, "empty_cache", lambda: None)
+    return platform
 
 
 def write_tiny_model(
@@ -128,13 +167,16 @@ def write_tiny_model(
     return path
 
 
-def inspect_models_in_process(monkeypatch: Any) -> None:
+def inspect_models_in_process(monkeypatch: Any = None) -> None:
     """vLLM inspects model classes in a fresh ``python -m vllm...``
-    subprocess (to keep CUDA uninitialised in the parent); a CPU test
-    process can do it in-process, which saves a second vLLM import."""
+    subprocess (to keep CUDA uninitialised in the parent); a test or script
+    process can do it in-process, which saves a second vLLM import (and a
+    subprocess that must find the same tree)."""
     import vllm.model_executor.models.registry as registry
 
-    monkeypatch.setattr(registry, "_run_in_subprocess", lambda fn: fn())
+    (monkeypatch.setattr if monkeypatch else setattr)(
+        registry, "_run_in_subprocess", lambda fn: fn()
+    )
 
 
 def make_vllm_config(
@@ -147,14 +189,18 @@ def make_vllm_config(
     enable_chunked_prefill: bool = True,
     max_num_seqs: int = 8,
     dtype: torch.dtype = torch.float16,
-    kv_splits: int = 2,
+    kv_splits: int | None = 2,
     **engine_args: Any,
 ) -> Any:
-    """A real VllmConfig for the model in ``model_dir`` (CPU platform
-    installed by the caller). ``kv_splits`` keeps the decode kernel cheap in
-    Triton's interpreter."""
+    """A real VllmConfig for the model in ``model_dir`` (platform installed
+    by the caller). ``kv_splits`` keeps the decode kernel cheap in Triton's
+    interpreter (None: the tree's default)."""
     from vllm.engine.arg_utils import EngineArgs
 
+    if kv_splits is not None:
+        engine_args.setdefault(
+            "attention_config", {"tq_max_kv_splits_for_cuda_graph": kv_splits}
+        )
     args = EngineArgs(
         model=str(model_dir),
         skip_tokenizer_init=True,
@@ -166,7 +212,6 @@ def make_vllm_config(
         max_num_batched_tokens=max_num_batched_tokens,
         enable_chunked_prefill=enable_chunked_prefill,
         max_num_seqs=max_num_seqs,
-        attention_config={"tq_max_kv_splits_for_cuda_graph": kv_splits},
         **engine_args,
     )
     return args.create_engine_config()
@@ -219,6 +264,70 @@ def runner_kv_cache_specs(vllm_config: Any) -> dict[str, Any]:
 def runner_kv_cache_spec(layer: Any, vllm_config: Any) -> Any:
     """One registered layer's spec, as the model runner makes it."""
     return runner_kv_cache_specs(vllm_config)[layer.layer_name]
+
+
+def tq_module() -> Any:
+    import importlib
+
+    return importlib.import_module(TQ_MODULE)
+
+
+def tq_impl(
+    vllm_config: Any,
+    num_heads: int,
+    head_size: int,
+    num_kv_heads: int,
+    preset: str,
+    module: Any = None,
+) -> Any:
+    """A bare ``TurboQuantAttentionImpl`` (of ``module``, default the tree's
+    backend), built under ``vllm_config`` as the layer builds it."""
+    from vllm.config import set_current_vllm_config
+
+    with set_current_vllm_config(vllm_config):
+        return (module or tq_module()).TurboQuantAttentionImpl(
+            num_heads=num_heads,
+            head_size=head_size,
+            scale=head_size**-0.5,
+            num_kv_heads=num_kv_heads,
+            kv_cache_dtype=preset,
+        )
+
+
+def centroids_layer(impl: Any, head_size: int, device: torch.device) -> Any:
+    """The layer state a bare impl reads: the engine's Attention layer
+    registers the TurboQuant centroids as a buffer, on the layer's device."""
+    from vllm.model_executor.layers.quantization.turboquant.centroids import (
+        get_centroids,
+    )
+
+    layer = torch.nn.Module()
+    centroids = get_centroids(head_size, impl.tq_config.centroid_bits)
+    layer.register_buffer("_tq_centroids", centroids.to(device))
+    return layer
+
+
+def tq_builder(
+    vllm_config: Any,
+    spec: Any,
+    layer_names: list[str],
+    device: torch.device,
+    module: Any = None,
+) -> Any:
+    """The metadata builder, as ``initialize_kv_cache`` makes it from the
+    layers' KV cache spec (later trees reserve workspace here)."""
+    builder_cls = (module or tq_module()).TurboQuantMetadataBuilder
+    return builder_cls(spec, layer_names, vllm_config, device)
+
+
+def workspace_bytes() -> int:
+    """Bytes held by the process's workspace manager (0 without one)."""
+    from vllm.v1.worker import workspace
+
+    if not workspace.is_workspace_manager_initialized():
+        return 0
+    ws = workspace.current_workspace_manager()._current_workspaces[0]
+    return 0 if ws is None else ws.numel() * ws.element_size()
 
 
 def is_turboquant_spec(spec: Any) -> bool:
@@ -507,3 +616,95 @@ def runner_kv_caches(
 
         layout = vllm_config.cache_config.get_resolved_kv_cache_layout()
         return allocate_kv_cache(kv_cache_config, device, layout, kernel_block_sizes)
+
+
+# --------------------------------------------------------------------------
+# flash-attn where vLLM's compiled kernel is absent: a float64 reference
+# --------------------------------------------------------------------------
+
+
+def check_cu_seqlens(q, k, cu_q, cu_k, max_q: int, max_k: int) -> None:
+    """What the real kernel assumes and would misread silently: int32
+    cu_seqlens on q's device, starting at 0, non-decreasing, within the
+    q/k tensors, every segment within max_seqlen."""
+    for name, cu, t, most in (("q", cu_q, q, max_q), ("k", cu_k, k, max_k)):
+        assert cu.dtype == torch.int32, f"cu_seqlens_{name} is {cu.dtype}"
+        assert cu.device == q.device, f"cu_seqlens_{name} on {cu.device}"
+        assert cu.dim() == 1 and cu.numel() >= 2, f"cu_seqlens_{name} {cu.shape}"
+        c = cu.tolist()
+        lens = [b - a for a, b in zip(c, c[1:], strict=False)]
+        assert c[0] == 0 and min(lens) >= 0, f"cu_seqlens_{name} {c}"
+        assert c[-1] <= t.shape[0], f"cu_seqlens_{name} {c} beyond {t.shape[0]}"
+        assert max(lens) <= most, f"cu_seqlens_{name} {c}: max_seqlen {most}"
+    assert cu_q.numel() == cu_k.numel(), "cu_seqlens_q/k batch sizes differ"
+
+
+class ReferenceFlashAttn:
+    """``flash_attn_varlen_func`` in float64 PyTorch: varlen, GQA,
+    bottom-right causal, the (Hq, total_q) log-sum-exp when asked for it.
+
+    ``attend`` checks the arguments as the kernel needs them
+    (``check_cu_seqlens``) and records every call's key length in
+    ``k_lens``. It reads cu_seqlens on the host: it stands for a kernel,
+    which reads them on the device. A subclass may attend otherwise; the
+    call's plumbing (``out``, what is returned) stays here.
+    """
+
+    def __init__(self) -> None:
+        self.k_lens: list[int] = []
+
+    def __call__(
+        self,
+        q,
+        k,
+        v,
+        cu_seqlens_q,
+        cu_seqlens_k,
+        max_seqlen_q,
+        max_seqlen_k,
+        softmax_scale=None,
+        causal=False,
+        return_softmax_lse=False,
+        return_attn_probs=False,
+        fa_version=None,
+        out=None,
+        **kwargs: Any,
+    ):
+        scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
+        o, lse = self.attend(
+            q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale,
+            causal,
+        )  # fmt: skip
+        if out is not None:
+            out.copy_(o)
+            o = out
+        if return_softmax_lse:
+            return o, lse
+        if return_attn_probs:
+            return o, lse, None
+        return o
+
+    def attend(self, q, k, v, cu_q, cu_k, max_q: int, max_k: int, scale, causal):
+        """(out, lse) of every sequence of the batch."""
+        check_cu_seqlens(q, k, cu_q, cu_k, max_q, max_k)
+        cq, ck = cu_q.tolist(), cu_k.tolist()
+        total_q, num_heads, _ = q.shape
+        group = num_heads // k.shape[1]
+        o = torch.empty_like(q)
+        lse = torch.empty(num_heads, total_q, dtype=torch.float32, device=q.device)
+        for b in range(len(cq) - 1):
+            qb = q[cq[b] : cq[b + 1]].double()
+            kb = k[ck[b] : ck[b + 1]].double().repeat_interleave(group, dim=1)
+            vb = v[ck[b] : ck[b + 1]].double().repeat_interleave(group, dim=1)
+            lq, lk = qb.shape[0], kb.shape[0]
+            self.k_lens.append(lk)
+            s = torch.einsum("qhd,khd->hqk", qb, kb) * scale
+            if causal:
+                qp = torch.arange(lq, device=q.device).unsqueeze(1) + (lk - lq)
+                s = s.masked_fill(torch.arange(lk, device=q.device) > qp, -math.inf)
+            lse_b = torch.logsumexp(s, dim=-1)
+            o[cq[b] : cq[b + 1]] = torch.einsum(
+                "hqk,khd->qhd", torch.exp(s - lse_b.unsqueeze(-1)), vb
+            ).to(q.dtype)
+            lse[:, cq[b] : cq[b + 1]] = lse_b.float()
+        return o, lse
