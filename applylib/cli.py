@@ -6,7 +6,7 @@ import argparse
 import os
 
 from .commands import cmd_base, cmd_check, cmd_format_patch, cmd_test
-from .core import PROJECT, GitError, UserError, common, patch_names, say
+from .core import PROJECT, GitError, UserError, command, common, patch_names, say
 from .export import add_deliver_commands
 from .mutants import add_mutants_command
 from .rebase import add_rebase_commands
@@ -89,24 +89,25 @@ def add_global_options(p: argparse.ArgumentParser) -> None:
 
 def add_check_command(sub: argparse._SubParsersAction) -> None:
     """apply.py check: lint the series."""
-    c = sub.add_parser(
+    c = command(
+        sub,
         "check",
-        formatter_class=FMT,
+        cmd_check,
         help="lint the series and patches (fast, offline)",
         description="Check that series and patches/ agree, every "
         "patch parses with the required trailers, touches only "
         "safe paths, and re-exports byte-identically.",
         epilog="example:\n  python apply.py check",
     )
-    c.set_defaults(func=cmd_check)
     common(c, "repo", "fetched")
 
 
 def add_test_command(sub: argparse._SubParsersAction) -> None:
     """apply.py test: the targeted tests against a tree."""
-    t = sub.add_parser(
+    t = command(
+        sub,
         "test",
-        formatter_class=FMT,
+        cmd_test,
         help="run patches' targeted tests against a tree",
         description="Run the targeted tests (Tests: trailers) of "
         "the given patches (default: all) against a vLLM tree.",
@@ -115,30 +116,30 @@ def add_test_command(sub: argparse._SubParsersAction) -> None:
     patch_names(t)
     t.add_argument("--tree", required=True, help="vLLM source tree root")
     t.add_argument("--json", help="write results here")
-    t.set_defaults(func=cmd_test)
     common(t, "python", "offline")
 
 
 def add_base_command(sub: argparse._SubParsersAction) -> None:
     """apply.py base: obtain a base and print it."""
-    b = sub.add_parser(
+    b = command(
+        sub,
         "base",
-        formatter_class=FMT,
+        cmd_base,
         help="obtain a base (remote or PyPI release) and print it",
         description="Resolve a stack's base, obtaining it into "
         "the tool's cache repository if needed.",
         epilog="example:\n  python apply.py base v0.21.0",
     )
     b.add_argument("rev", nargs="?", help="revision (default: the stack's pin)")
-    b.set_defaults(func=cmd_base)
     common(b, "python", "offline", "stack", "repo", "fetched")
 
 
 def add_format_patch_command(sub: argparse._SubParsersAction) -> None:
     """apply.py format-patch: the deterministic export of one commit."""
-    f = sub.add_parser(
+    f = command(
+        sub,
         "format-patch",
-        formatter_class=FMT,
+        cmd_format_patch,
         help="export one commit deterministically",
         description="Export one commit as a patch file with the "
         "series' pinned format-patch flags.",
@@ -148,7 +149,6 @@ def add_format_patch_command(sub: argparse._SubParsersAction) -> None:
     f.add_argument("rev", nargs="?", default="HEAD")
     f.add_argument("--repo", required=True)
     f.add_argument("--out")
-    f.set_defaults(func=cmd_format_patch)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -8,6 +8,7 @@ import os
 import re
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 PROJECT = Path(__file__).resolve().parent.parent  # the project root
@@ -186,6 +187,28 @@ def format_patch(repo: Path, rev: str) -> bytes:
     return git(
         *FORMAT_PATCH_FLAGS, "-1", rev, cwd=repo, config=FORMAT_PATCH_CONFIG
     ).stdout
+
+
+def command(
+    sub: argparse._SubParsersAction,
+    name: str,
+    func: Callable[[argparse.Namespace], int],
+    *,
+    help: str,
+    description: str,
+    epilog: str,
+) -> argparse.ArgumentParser:
+    """A command's parser: its one-line help, its description, its examples
+    (printed as written) and the function that runs it."""
+    sp = sub.add_parser(
+        name,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        help=help,
+        description=description,
+        epilog=epilog,
+    )
+    sp.set_defaults(func=func)
+    return sp
 
 
 def common(

@@ -25,6 +25,7 @@ from .core import (
     IDENTITY,
     REF_NS,
     UserError,
+    command,
     common,
     format_patch,
     git,
@@ -538,9 +539,10 @@ def add_deliver_commands(sub: argparse._SubParsersAction) -> None:
 
 def add_wheel_command(sub: argparse._SubParsersAction) -> None:
     """apply.py wheel: a patched vLLM wheel from the official one."""
-    w = sub.add_parser(
+    w = command(
+        sub,
         "wheel",
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        cmd_wheel,
         help="patched vLLM wheel from the official one (no CUDA build)",
         description="Apply a stack and write the official vLLM wheel of the "
         "base's release with exactly the files the patched tree changes "
@@ -568,15 +570,15 @@ def add_wheel_command(sub: argparse._SubParsersAction) -> None:
         help="ship base + patch even where the wheel's copy of a changed file "
         "differs from the base tree's",
     )
-    w.set_defaults(func=cmd_wheel)
     common(w, "stack", "repo", "python", "offline", "json", "fetched")
 
 
 def add_export_command(sub: argparse._SubParsersAction) -> None:
     """apply.py export: one upstream PR branch for one patch."""
-    e = sub.add_parser(
+    e = command(
+        sub,
         "export",
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        cmd_export,
         help="one upstream PR branch for one patch",
         description="Create a branch (default refs/heads/patched/pr/<patch>) in "
         "the vLLM repository (--repo, else the tool's cache) with the patch as "
@@ -609,5 +611,4 @@ def add_export_command(sub: argparse._SubParsersAction) -> None:
         action="store_true",
         help="overwrite an existing branch outside the tool's namespace",
     )
-    e.set_defaults(func=cmd_export)
     common(e, "repo", "python", "offline", "json", "fetched")

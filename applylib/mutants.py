@@ -34,7 +34,15 @@ from .bases import (
     with_pinned_base,
     worktree,
 )
-from .core import UserError, common, git, git_common_dir, patch_names, say
+from .core import (
+    UserError,
+    command,
+    common,
+    git,
+    git_common_dir,
+    patch_names,
+    say,
+)
 from .pinned import fetched_dir
 from .runner import PatchResult, apply_stack, positions, preimages, table
 from .series import (
@@ -252,9 +260,10 @@ def print_mutants(rows: list[dict]) -> None:
 
 
 def add_mutants_command(sub: argparse._SubParsersAction) -> None:
-    m = sub.add_parser(
+    m = command(
+        sub,
         "mutants",
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        cmd_mutants,
         help="check that each patch's tests catch wrong fixes",
         description="Apply each mutant (tests/mutants/<stack>/<patch>/*.diff: "
         "the bug put back another way, or a plausible wrong fix) to the tree "
@@ -271,5 +280,4 @@ def add_mutants_command(sub: argparse._SubParsersAction) -> None:
         metavar="NAME",
         help="run only this mutant (its file name without .diff; repeatable)",
     )
-    m.set_defaults(func=cmd_mutants)
     common(m, "repo", "python", "offline", "fetched")

@@ -31,6 +31,7 @@ from .core import (
     RECORDS,
     REF_NS,
     UserError,
+    command,
     common,
     format_patch,
     git,
@@ -930,10 +931,10 @@ def commit_range(text: str, user_repo: Path | None) -> list[str]:
 
 
 def add_rebase_commands(sub: argparse._SubParsersAction) -> None:
-    fmt = argparse.RawDescriptionHelpFormatter
-    r = sub.add_parser(
+    r = command(
+        sub,
         "rebase",
-        formatter_class=fmt,
+        cmd_rebase,
         help="carry a stack to a new base",
         description="Rebase a stack onto a new base: keep (and refresh) each "
         "patch that applies, mark 'not-needed' the ones that do not apply and "
@@ -974,15 +975,15 @@ def add_rebase_commands(sub: argparse._SubParsersAction) -> None:
     r.add_argument(
         "--dry-run", action="store_true", help="with --time-machine: only find the base"
     )
-    r.set_defaults(func=cmd_rebase)
     common(r, "stack", "repo", "python", "offline", "fetched")
     add_status_command(sub)
 
 
 def add_status_command(sub: argparse._SubParsersAction) -> None:
-    s = sub.add_parser(
+    s = command(
+        sub,
         "status",
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        cmd_status,
         help="patch x base matrix; culprit search; an installed vLLM",
         description=STATUS_HELP,
         epilog=STATUS_EPILOG,
@@ -1040,5 +1041,4 @@ def add_status_command(sub: argparse._SubParsersAction) -> None:
             "environment inspected"
         },
     )
-    s.set_defaults(func=cmd_status)
     common(s, "stack", "repo", "offline", "fetched")
