@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from dataclasses import dataclass, field
@@ -34,22 +35,11 @@ def scale(x):
     return x * 2
 '''
 
-# v1.1.0 moves things around (context drift) but keeps both bugs.
-MOD_V11 = '''\
-"""Module docstring added upstream."""
-
-
-def threshold():
-    return 128
-
-
-def add(a, b):
-    return a - b  # bug: subtraction
-
-
-def scale(x):
-    return x * 3
-'''
+# v1.1.0 moves things around (context drift) but keeps both bugs; scale()
+# changes, so a fix of it conflicts there.
+MOD_V11 = '"""Module docstring added upstream."""\n\n\n' + MOD_V1.replace(
+    "x * 2", "x * 3"
+)
 
 FIXTURE_CONFTEST = '''\
 import os, sys
@@ -145,6 +135,22 @@ def git(*args: str, cwd: Path, check: bool = True, **kw) -> str:
     if check and p.returncode:
         raise AssertionError(f"git {args}: {p.stderr}")
     return p.stdout.strip()
+
+
+def git_on_path(bindir: Path, on_am: str) -> dict[str, str]:
+    """A `git` in `bindir` that runs the shell lines `on_am` when called as
+    `git am` ($REAL is the real git, $PPID the tool) and is the real git
+    otherwise; returns the environment that puts it first on PATH."""
+    bindir.mkdir()
+    real = shutil.which("git")
+    (bindir / "git").write_text(
+        f'#!/bin/sh\nREAL="{real}"\n'
+        'for a in "$@"; do if [ "$a" = am ]; then\n'
+        f"{on_am}fi; done\n"
+        'exec "$REAL" "$@"\n'
+    )
+    (bindir / "git").chmod(0o755)
+    return {"PATH": f"{bindir}:{os.environ['PATH']}"}
 
 
 @dataclass

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
 import sys
@@ -16,6 +15,7 @@ from conftest import (
     REG_ADD,
     Fixture,
     git,
+    git_on_path,
     standard_stack,
 )
 
@@ -186,22 +186,11 @@ def test_skip_counts_only_with_require_all(fx: Fixture) -> None:
 
 def test_killed_during_git_am_then_rerun_succeeds(fx: Fixture) -> None:
     standard_stack(fx)
-    # a git wrapper that SIGKILLs apply.py (and the am) once git am has begun
-    bindir = fx.tmp / "bin"
-    bindir.mkdir()
-    real = subprocess.run(["which", "git"], capture_output=True,
-                          text=True).stdout.strip()
-    (bindir / "git").write_text(
-        "#!/bin/sh\n"
-        'for a in "$@"; do if [ "$a" = am ]; then\n'
-        f'  "{real}" "$@" & pid=$!\n'
-        "  sleep 0.05; kill -9 $PPID $pid; exit 137\n"
-        "fi; done\n"
-        f'exec "{real}" "$@"\n')
-    (bindir / "git").chmod(0o755)
+    # SIGKILL apply.py (and the am) once git am has begun
+    env = git_on_path(fx.tmp / "bin", '  "$REAL" "$@" & pid=$!\n'
+                      "  sleep 0.05; kill -9 $PPID $pid; exit 137\n")
     before = fx.snapshot()
-    p = fx.run("--repo", str(fx.upstream),
-               env={"PATH": f"{bindir}:{os.environ['PATH']}"})
+    p = fx.run("--repo", str(fx.upstream), env=env)
     assert p.returncode == -signal.SIGKILL
     assert fx.snapshot() == before
     out = fx.tmp / "r.json"

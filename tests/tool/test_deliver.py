@@ -25,8 +25,8 @@ import time
 import zipfile
 from pathlib import Path
 
-import pytest
 import conftest
+import pytest
 from conftest import APPLY, ROOT, Fixture, git
 
 PY = sys.executable

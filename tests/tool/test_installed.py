@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import APPLY, ROOT, Fixture, git, isolated_cache
+from conftest import ROOT, Fixture, git, isolated_cache
 from test_deliver import (  # noqa: F401  (dx is a fixture)
     FIX_BOTH,
     dx,

@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from conftest import run_offline, git, isolated_cache, real_cache
+from conftest import git, isolated_cache, real_cache, run_offline
 
 PIN = "bc150f50299199599673614f80d12a196f377655"
 TQ = "vllm/v1/attention/backends/turboquant_attn.py"

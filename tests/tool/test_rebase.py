@@ -11,14 +11,13 @@ Upstream tags made here, on top of the fixture's v1.0.0 (add and scale buggy):
 from __future__ import annotations
 
 import json
-import os
 import re
 import signal
 import subprocess
 from pathlib import Path
 
 import pytest
-from conftest import MOD_V1, Fixture, git, standard_stack
+from conftest import MOD_V1, Fixture, git, git_on_path, standard_stack
 
 NO_X2_TEST = '''\
 from pathlib import Path
@@ -201,22 +200,13 @@ def test_conflict_then_skip_drops_the_patch(rb: Fixture) -> None:
 
 def test_crash_in_the_middle_then_rerun(rb: Fixture) -> None:
     before, user = files(rb), rb.snapshot()
-    bindir = rb.tmp / "bin"
-    bindir.mkdir()
-    real = subprocess.run(["which", "git"], capture_output=True,
-                          text=True).stdout.strip()
     # SIGKILL apply.py at its second git am (the first patch is already in)
-    (bindir / "git").write_text(
-        "#!/bin/sh\n"
-        'for a in "$@"; do if [ "$a" = am ]; then\n'
-        f'  n=$(cat "{bindir}/count" 2>/dev/null || echo 0); n=$((n+1))\n'
-        f'  echo $n > "{bindir}/count"\n'
-        '  if [ $n -ge 3 ]; then kill -9 $PPID; exit 137; fi\n'
-        "fi; done\n"
-        f'exec "{real}" "$@"\n')
-    (bindir / "git").chmod(0o755)
-    p = rb.run("rebase", "--onto", "v1.0.5", "--repo", str(rb.upstream),
-               env={"PATH": f"{bindir}:{os.environ['PATH']}"})
+    count = rb.tmp / "bin" / "count"
+    env = git_on_path(rb.tmp / "bin",
+                      f'  n=$(cat "{count}" 2>/dev/null || echo 0); n=$((n+1))\n'
+                      f'  echo $n > "{count}"\n'
+                      "  if [ $n -ge 3 ]; then kill -9 $PPID; exit 137; fi\n")
+    p = rb.run("rebase", "--onto", "v1.0.5", "--repo", str(rb.upstream), env=env)
     assert p.returncode == -signal.SIGKILL, p.stdout + p.stderr
     assert files(rb) == before and rb.snapshot() == user
     again = rb.run("rebase", "--onto", "v1.0.5", "--repo", str(rb.upstream))

@@ -24,7 +24,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from conftest import run_offline, isolated_cache, ROOT, git
+from conftest import ROOT, git, isolated_cache, run_offline
 
 
 def run(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
