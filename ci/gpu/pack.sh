@@ -11,6 +11,8 @@
 #                (the current files: refs/heads/patched/tq/v0.20.2 can lag)
 #   tq-fix       tq-patched + ci/gpu/proposed/*.diff (proposals, not in the
 #                series; only with PACK_FIX=1)
+#   tq33-base    v0.33.0 release sources (the tq-v0.33 stack's pin)
+#   tq33-patched v0.33.0 + the tq-v0.33 patches of ./series
 #   dsv4-base    the dsv4 base, assembled by apply.py from v0.20.0 and the
 #                pinned files ($VLLM_PATCHES_FETCHED)
 #   dsv4-patched dsv4-base + the dsv4 patches of ./series
@@ -78,6 +80,15 @@ if [ -d "$cache" ]; then
       echo "  + proposed $(basename "$d") sha256=$(sha256sum "$d" | cut -c1-16)" >> "$out/MANIFEST"
     done
     pack tq-fix "$work/tq-fix" "tq-patched + ci/gpu/proposed/*.diff (not in the series)"
+  fi
+  if git --git-dir "$cache" rev-parse -q --verify v0.33.0 >/dev/null; then
+    export_ref "$cache" v0.33.0 "$work/tq33-base"
+    pack tq33-base "$work/tq33-base" "$cache tag v0.33.0 $(git --git-dir "$cache" rev-parse v0.33.0)"
+    export_ref "$cache" v0.33.0 "$work/tq33-patched"
+    apply_stack tq-v0.33 "$work/tq33-patched"
+    pack tq33-patched "$work/tq33-patched" "v0.33.0 + series tq-v0.33 patches (git apply)"
+  else
+    echo "pack.sh: no v0.33.0 in $cache (apply.py --stack tq-v0.33 fills it); tq33 trees left out" | tee -a "$out/MANIFEST"
   fi
 else
   echo "pack.sh: no $cache (run apply.py once to fill it); tq trees left out" | tee -a "$out/MANIFEST"

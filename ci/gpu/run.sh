@@ -5,8 +5,10 @@
 #   bash ci/gpu/run.sh [PARTS] [DEADLINE_S]
 #
 # PARTS: comma list of cudagraph (issue 4), bench (issue 3), tests (targeted
-# tests on CUDA), fix (a proposed change, ci/gpu/proposed/, benchmarked
-# against (b) and tested); default the first three. DEADLINE_S (default
+# tests on CUDA), newest (the three on the newest stack, tq-v0.33 on
+# v0.33.0: trees tq33-base, tq33-patched), fix (a proposed change,
+# ci/gpu/proposed/, benchmarked against (b) and tested); default the first
+# three. DEADLINE_S (default
 # 570): every part gets what is left of it, so the summary is always written. Results go to $OUT
 # (tq_cudagraph.json, tq_continuation_bench.json, tests.json, tables.md,
 # logs.tar.gz, run.log); the summary tables are printed last.
@@ -84,6 +86,25 @@ if has tests; then
     tests/patches/test_dsv4_compressor_rope.py
   pt dsv4_base dsv4-base tests/patches/test_dsv4_aiter_scratch.py \
     tests/patches/test_dsv4_compressor_rope.py
+fi
+
+if has newest; then
+  # The newest stack (tq-v0.33 on v0.33.0): capture and timing, the
+  # continuation bench (b: the release's own reservation, c: the tiles) and
+  # the stack's tests, patched and on the base (regression tests).
+  run cg33_base 150 $PY ci/gpu/tq_cudagraph.py --tree $T/tq33-base --label v0.33.0 \
+    --out $W/cg33_base.json
+  run cg33_patched 150 $PY ci/gpu/tq_cudagraph.py --tree $T/tq33-patched \
+    --label tq-v0.33 --out $W/cg33_patched.json
+  for v in c:tq33-patched b:tq33-base; do
+    run bench33_${v%%:*} 150 $PY ci/gpu/tq_continuation_bench.py --tree $T/${v#*:} \
+      --variant ${v%%:*} --out $W/bench33_${v%%:*}.json
+  done
+  BASE_TREE= pt tq33_patched tq33-patched tests/patches/test_tq_workspace.py \
+    tests/patches/test_tq_host_metadata.py
+  reg=$(for p in $(grep -E '^tq-v0.33/' series); do
+          grep -m1 '^Tests:' "patches/$p" | cut -d' ' -f2-; done)
+  BASE_TREE= pt tq33_base_regression tq33-base $reg
 fi
 
 if has fix; then

@@ -71,7 +71,6 @@ def reservation(env, variant: str) -> dict:
             }
             continue
         ws.init_workspace_manager(tqlib.DEVICE)
-        cfg = tqlib.make_config(env, max_num_batched_tokens=MNBT, max_model_len=mml)
         if variant == "b":
             alloc = -(-(mml - 1) // BLOCK) * BLOCK
             shape = (1, HK, alloc, D)
@@ -80,12 +79,20 @@ def reservation(env, variant: str) -> dict:
             )
         else:
             for preset in PRESETS:
+                cfg = config(env, preset, mml)
                 tqlib.make_impl(env, cfg, preset, HQ, HK, D)
-        out[str(mml)] = {"workspace_bytes": tqlib.workspace_bytes(env)}
+        out[str(mml)] = {"workspace_bytes": tqlib.workspace_bytes()}
         ws.reset_workspace_manager()
         if tqlib.HAS_CUDA:
             torch.cuda.empty_cache()
     return out
+
+
+def config(env, preset: str, max_model_len: int):
+    return tqlib.make_config(
+        env, hq=HQ, hk=HK, d=D, preset=preset, block_size=BLOCK,
+        max_num_batched_tokens=MNBT, max_model_len=max_model_len,
+    )  # fmt: skip
 
 
 def floor_ms(preset: str, slot_bytes: int, cached: int, q: int, ceil: dict) -> dict:
@@ -103,7 +110,8 @@ def floor_ms(preset: str, slot_bytes: int, cached: int, q: int, ceil: dict) -> d
     }
 
 
-def main() -> int:
+def parse_args() -> argparse.Namespace:
+    global HQ, HK, D, CACHED, QLENS, MNBT, MML, PROFILE
     ap = argparse.ArgumentParser()
     ap.add_argument("--tree", required=True)
     ap.add_argument("--variant", choices="abc", required=True)
@@ -115,17 +123,16 @@ def main() -> int:
     )
     ap.add_argument("--small", action="store_true", help="CPU sanity shapes")
     args = ap.parse_args()
-
-    global HQ, HK, D, CACHED, QLENS, MNBT, MML, PROFILE, PRESETS
     if args.small:
         HQ, HK, D = 4, 1, 64
         CACHED, QLENS, MNBT = (600,), (130,), 256
         MML, PROFILE = (2048, 8192), ((600, 130),)
-    t_start = time.time()
-    env = tqlib.use_tree(args.tree)
-    if args.small and hasattr(env.tqa, "_CONTINUATION_TILE_MIN"):
-        env.tqa._CONTINUATION_TILE_MIN = env.tqa._CONTINUATION_TILE_MAX = 256
-    modes = args.modes.split(",")
+    return args
+
+
+def header(args, env, modes: list[str]) -> dict:
+    """The result's head: what ran where, the device's ceilings, the
+    stand-in's check, the reservations."""
     res: dict = {
         "variant": args.variant,
         "tree": str(env.tree),
@@ -151,126 +158,144 @@ def main() -> int:
         f"[{args.variant}] ceilings {res['ceilings']} reserved {res['reserved']}",
         flush=True,
     )
+    return res
 
-    # Timing setup: as the model runner: workspace manager, impls, reservation
-    # (b: v0.24.0's; c: the impl's own), lock.
+
+def build(env, variant: str, res: dict) -> tuple[dict, dict]:
+    """As the model runner: workspace manager, impls, builders, reservation
+    (b: v0.24.0's; c: the impl's own), lock. Impls and builders by preset."""
     ws = env.workspace
     ws.reset_workspace_manager()
     mml_bench = MML[0]
-    cfg = tqlib.make_config(env, max_num_batched_tokens=MNBT, max_model_len=mml_bench)
-    if args.variant in "bc":
+    cfgs = {p: config(env, p, mml_bench) for p in PRESETS}
+    if variant in "bc":
         ws.init_workspace_manager(tqlib.DEVICE)
-    impls = {p: tqlib.make_impl(env, cfg, p, HQ, HK, D) for p in PRESETS}
-    if args.variant == "b":
+    impls = {p: tqlib.make_impl(env, cfgs[p], p, HQ, HK, D) for p in PRESETS}
+    builders = {p: tqlib.make_builder(env, cfgs[p], HQ, HK, D) for p in PRESETS}
+    if variant == "b":
         alloc = -(-(mml_bench - 1) // BLOCK) * BLOCK
         shape = (1, HK, alloc, D)
         ws.current_workspace_manager().get_simultaneous(
             (shape, torch.float16), (shape, torch.float16)
         )
-    if args.variant in "bc":
+    if variant in "bc":
         ws.lock_workspace()
-        res["bench_workspace_bytes"] = tqlib.workspace_bytes(env)
-    if args.variant == "c":
+        res["bench_workspace_bytes"] = tqlib.workspace_bytes()
+    if variant == "c":
         res["tile_tokens"] = impls[PRESETS[0]]._tile_tokens
+    return impls, builders
 
-    samples: dict = {}
-    seq_max = max(CACHED) + max(QLENS)
-    for preset in PRESETS:
-        impl = impls[preset]
-        layer = tqlib.make_layer(env, impl, D)
-        builder = tqlib.make_builder(env, cfg, BLOCK, HK, D)
-        paged = tqlib.Paged(env, impl, layer, preset, HK, D, BLOCK, [seq_max], seed=1)
+
+class Preset:
+    """One preset's impl, layer, builder and a cache holding the longest
+    request, with its raw K/V and queries."""
+
+    def __init__(self, env, preset: str, impl, builder) -> None:
+        self.preset, self.impl, self.builder = preset, impl, builder
+        self.layer = tqlib.make_layer(env, impl, D)
+        seq_max = max(CACHED) + max(QLENS)
+        self.paged = tqlib.Paged(
+            impl, self.layer, preset, HK, D, BLOCK, [seq_max], seed=1
+        )
         g = torch.Generator(device=tqlib.DEVICE).manual_seed(2)
-        k_all = tqlib.rand((seq_max, HK, D), DTYPE, g)
-        v_all = tqlib.rand((seq_max, HK, D), DTYPE, g)
-        paged.store(0, 0, k_all, v_all)
-        q_all = tqlib.rand((max(QLENS), HQ * D), DTYPE, g)
+        self.k_all = tqlib.rand((seq_max, HK, D), DTYPE, g)
+        self.v_all = tqlib.rand((seq_max, HK, D), DTYPE, g)
+        self.paged.store(0, 0, self.k_all, self.v_all)
+        self.q_all = tqlib.rand((max(QLENS), HQ * D), DTYPE, g)
         tqlib.sync()
+
+    def call(self, cached: int, q: int) -> tuple:
+        """forward() of one continuation chunk of q after ``cached``, and
+        its output tensor."""
+        meta = self.builder.build(0, tqlib.make_cam(self.paged, [0], [cached], [q]))
+        key_t = self.k_all[cached : cached + q].reshape(q, -1)
+        val_t = self.v_all[cached : cached + q].reshape(q, -1)
+        output = torch.empty(q, HQ * D, dtype=DTYPE, device=tqlib.DEVICE)
+
+        def call():
+            self.impl.forward(
+                self.layer, self.q_all[:q], key_t, val_t, self.paged.kv_cache, meta,
+                output=output,
+            )  # fmt: skip
+
+        return call, output
+
+
+def measure(args, ctx: Preset, call, output, q: int, row: dict) -> torch.Tensor:
+    """First call (time, memory), then timed calls; returns output samples."""
+    tqlib.sync()
+    if tqlib.HAS_CUDA:
+        torch.cuda.empty_cache()
+        m0 = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+    t0 = time.perf_counter()
+    call()
+    tqlib.sync()
+    row["first_call_s"] = time.perf_counter() - t0
+    if tqlib.HAS_CUDA:
+        row["peak_extra_bytes"] = torch.cuda.max_memory_allocated() - m0
+        row["retained_bytes"] = torch.cuda.memory_allocated() - m0
+        row["peak_total_bytes"] = torch.cuda.max_memory_allocated()
+    row["layer_buffer_bytes"] = tqlib.layer_tensor_bytes(ctx.layer)
+    idx = torch.linspace(0, q - 1, 64).long()
+    sample = output.view(q, HQ, D)[idx].float().cpu()
+    row["finite"] = bool(torch.isfinite(output).all())
+    budget = args.budget if row["first_call_s"] < 5 else 0
+    row["time"] = tqlib.time_calls(
+        call, budget, min_reps=3 if budget and not args.small else 1
+    )
+    row["vs_floor"] = row["time"]["median_ms"] / row["floor"]["floor_ms"]
+    profiled = (row["cached"], q) in PROFILE and args.variant in "bc"
+    if ctx.preset == PRESETS[0] and profiled:
+        row["split"] = tqlib.kernel_split(call, CATEGORIES)
+    return sample
+
+
+def run_shape(args, ctx: Preset, mode: str, cached: int, q: int, res, samples):
+    key = f"{ctx.preset}/{mode}/{cached}/{q}"
+    row = {"preset": ctx.preset, "mode": mode, "cached": cached, "q": q}
+    row["floor"] = floor_ms(
+        ctx.preset, ctx.paged.slot_bytes, cached, q, res["ceilings"]
+    )
+    call, output = ctx.call(cached, q)
+    try:
+        samples[key] = measure(args, ctx, call, output, q, row)
+    except Exception as e:  # OOM or a tree's own error: record, go on
+        oom = isinstance(e, torch.OutOfMemoryError)
+        row["error"] = ("OOM: " if oom else "") + f"{type(e).__name__}: {e}"[:400]
+        res["errors"].append({"key": key, "trace": traceback.format_exc()[-2000:]})
+        if tqlib.HAS_CUDA:
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
+    res["runs"].append(row)
+    t = row.get("time", {}).get("median_ms")
+    peak = row.get("peak_extra_bytes", 0) / 2**20
+    print(
+        f"[{args.variant}] {key}: "
+        + (f"{t:.3f} ms" if t is not None else row.get("error", "?"))
+        + (f" peak+{peak:.0f} MiB" if tqlib.HAS_CUDA else ""),
+        flush=True,
+    )
+
+
+def main() -> int:
+    args = parse_args()
+    t_start = time.time()
+    env = tqlib.use_tree(args.tree)
+    if args.small and hasattr(env.tqa, "_CONTINUATION_TILE_MIN"):
+        env.tqa._CONTINUATION_TILE_MIN = env.tqa._CONTINUATION_TILE_MAX = 256
+    modes = args.modes.split(",")
+    res = header(args, env, modes)
+    impls, builders = build(env, args.variant, res)
+    samples: dict = {}
+    for preset in PRESETS:
+        ctx = Preset(env, preset, impls[preset], builders[preset])
         for mode in modes:
             tqlib.set_attention_mode(env, mode)
             for cached in CACHED:
                 for q in QLENS:
-                    key = f"{preset}/{mode}/{cached}/{q}"
-                    row = {"preset": preset, "mode": mode, "cached": cached, "q": q}
-                    row["floor"] = floor_ms(
-                        preset, paged.slot_bytes, cached, q, res["ceilings"]
-                    )
-                    cam = tqlib.make_cam(env, paged, [0], [cached], [q])
-                    meta = builder.build(0, cam)
-                    query = q_all[:q]
-                    key_t = k_all[cached : cached + q].reshape(q, -1)
-                    val_t = v_all[cached : cached + q].reshape(q, -1)
-                    output = torch.empty(q, HQ * D, dtype=DTYPE, device=tqlib.DEVICE)
-
-                    def call():
-                        impl.forward(
-                            layer,
-                            query,
-                            key_t,
-                            val_t,
-                            paged.kv_cache,
-                            meta,
-                            output=output,
-                        )
-
-                    try:
-                        tqlib.sync()
-                        if tqlib.HAS_CUDA:
-                            torch.cuda.empty_cache()
-                            m0 = torch.cuda.memory_allocated()
-                            torch.cuda.reset_peak_memory_stats()
-                        t0 = time.perf_counter()
-                        call()
-                        tqlib.sync()
-                        row["first_call_s"] = time.perf_counter() - t0
-                        if tqlib.HAS_CUDA:
-                            row["peak_extra_bytes"] = (
-                                torch.cuda.max_memory_allocated() - m0
-                            )
-                            row["retained_bytes"] = torch.cuda.memory_allocated() - m0
-                            row["peak_total_bytes"] = torch.cuda.max_memory_allocated()
-                        row["layer_buffer_bytes"] = tqlib.layer_tensor_bytes(layer)
-                        idx = torch.linspace(0, q - 1, 64).long()
-                        samples[key] = output.view(q, HQ, D)[idx].float().cpu()
-                        row["finite"] = bool(torch.isfinite(output).all())
-                        budget = args.budget if row["first_call_s"] < 5 else 0
-                        row["time"] = tqlib.time_calls(
-                            call, budget, min_reps=3 if budget and not args.small else 1
-                        )
-                        row["vs_floor"] = (
-                            row["time"]["median_ms"] / row["floor"]["floor_ms"]
-                        )
-                        if (
-                            preset == PRESETS[0]
-                            and (cached, q) in PROFILE
-                            and args.variant in "bc"
-                        ):
-                            row["split"] = tqlib.kernel_split(call, CATEGORIES)
-                    except Exception as e:  # OOM or a tree's own error: record, go on
-                        oom = isinstance(e, torch.OutOfMemoryError)
-                        row["error"] = (
-                            "OOM: " if oom else ""
-                        ) + f"{type(e).__name__}: {e}"[:400]
-                        res["errors"].append(
-                            {"key": key, "trace": traceback.format_exc()[-2000:]}
-                        )
-                        if tqlib.HAS_CUDA:
-                            torch.cuda.synchronize()
-                            torch.cuda.empty_cache()
-                    res["runs"].append(row)
-                    t = row.get("time", {}).get("median_ms")
-                    print(
-                        f"[{args.variant}] {key}: "
-                        + (f"{t:.3f} ms" if t is not None else row.get("error", "?"))
-                        + (
-                            f" peak+{row.get('peak_extra_bytes', 0) / 2**20:.0f} MiB"
-                            if tqlib.HAS_CUDA
-                            else ""
-                        ),
-                        flush=True,
-                    )
-                    del output, meta, cam
-        del paged, k_all, v_all, q_all, layer
+                    run_shape(args, ctx, mode, cached, q, res, samples)
+        del ctx
         if tqlib.HAS_CUDA:
             torch.cuda.empty_cache()
     res["wall_s"] = time.time() - t_start

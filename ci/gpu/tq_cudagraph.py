@@ -77,7 +77,7 @@ class Step:
     def __init__(self, env, impl, layer, builder, reqs, capacity, seed):
         self.env, self.impl, self.layer, self.builder = env, impl, layer, builder
         self.reqs = list(reqs)
-        self.paged = tqlib.Paged(env, impl, layer, PRESET, HK, D, BLOCK, capacity, seed)
+        self.paged = tqlib.Paged(impl, layer, PRESET, HK, D, BLOCK, capacity, seed)
         self.gen = torch.Generator(device=tqlib.DEVICE).manual_seed(seed + 1)
         n = sum(q for _, q in reqs)
         self.query = torch.empty(n, HQ * D, dtype=DTYPE, device=tqlib.DEVICE)
@@ -102,7 +102,7 @@ class Step:
         self.value.copy_(tqlib.rand(self.value.shape, DTYPE, g))
         rows = list(range(len(reqs)))
         cam = tqlib.make_cam(
-            self.env, self.paged, rows, [c for c, _ in reqs], [q for _, q in reqs]
+            self.paged, rows, [c for c, _ in reqs], [q for _, q in reqs]
         )
         meta = self.builder.build(0, cam)
         if self.meta is None:
@@ -225,7 +225,7 @@ def wall_per_step(fn, steps: int = 20, loops: int = 5) -> float:
     return statistics.median(per)
 
 
-def main() -> int:
+def parse_args() -> argparse.Namespace:
     global HQ, HK, D, SCENARIOS, TIMING, MNBT
     ap = argparse.ArgumentParser()
     ap.add_argument("--tree", required=True)
@@ -245,108 +245,130 @@ def main() -> int:
             "mixed": [(40, 1), (300, 130), (60, 8)],
         }
         TIMING = {"batch2_q130": [(300, 130)] * 2}
+    return args
 
-    env = tqlib.use_tree(args.tree)
-    res: dict = {"label": args.label, "tree": str(env.tree), "device": tqlib.device_info(),
-                 "tree_has_flash_attn": env.has_flash_attn, "scenarios": {}, "timing": {}}  # fmt: skip
+
+def build(env) -> tuple:
+    """As the model runner: workspace manager, impl, builder, lock."""
     ws = env.workspace
     ws.reset_workspace_manager()
     ws.init_workspace_manager(tqlib.DEVICE)
-    cfg = tqlib.make_config(env, max_num_batched_tokens=MNBT, max_model_len=131072)
+    cfg = tqlib.make_config(
+        env, hq=HQ, hk=HK, d=D, preset=PRESET, block_size=BLOCK,
+        max_num_batched_tokens=MNBT, max_model_len=131072,
+    )  # fmt: skip
     impl = tqlib.make_impl(env, cfg, PRESET, HQ, HK, D)
-    ws.lock_workspace()
     layer = tqlib.make_layer(env, impl, D)
-    builder = tqlib.make_builder(env, cfg, BLOCK, HK, D)
-    samples = {}
-    poisoned = False
+    builder = tqlib.make_builder(env, cfg, HQ, HK, D)
+    ws.lock_workspace()
+    return impl, layer, builder
 
-    for mode in args.modes.split(","):
-        tqlib.set_attention_mode(env, mode)
-        for name in args.scenarios.split(","):
-            reqs = SCENARIOS[name]
-            key = f"{mode}/{name}"
+
+class Run:
+    """One tree's scenarios and timings, mode by mode; a failed capture that
+    leaves the CUDA context unusable stops what follows."""
+
+    def __init__(self, args, env, parts) -> None:
+        self.args, self.env, self.parts = args, env, parts
+        self.samples: dict = {}
+        self.poisoned = False
+
+    def guarded(self, what: str, row: dict, fn, hidden=("trace",)) -> None:
+        """``fn(row)``, its exception recorded in the row, the row printed."""
+        try:
+            fn(row)
+        except Exception as e:
+            row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
+            row["trace"] = traceback.format_exc()[-1500:]
+        shown = {k: v for k, v in row.items() if k not in hidden}
+        print(f"[{self.args.label}] {what}: " + json.dumps(shown)[:600], flush=True)
+
+    def capture(self, step: Step, row: dict):
+        cap, graph = capture(step)
+        if graph is None and not cap.get("healthy_after", True):
+            self.poisoned = True
+        return cap, graph
+
+    def scenario(self, key: str, reqs, row: dict) -> None:
+        # New inputs for the replays: same q_lens; for requests served
+        # by the decode kernel (q_len <= 128) also new context lengths.
+        new = [
+            [(c if q > 128 or q == 1 else c + 37 * (j + 1) * (r + 1), q)
+             for j, (c, q) in enumerate(reqs)]
+            for r in range(2)
+        ]  # fmt: skip
+        capacity = [
+            max(c for c, _ in (x[j] for x in [reqs, *new])) + q
+            for j, (_, q) in enumerate(reqs)
+        ]
+        step = Step(self.env, *self.parts, reqs, capacity, seed=11)
+        out = step.run()
+        tqlib.sync()
+        self.samples[key] = out.float().cpu()
+        row["finite"] = bool(torch.isfinite(out).all())
+        row["sync"] = count_syncs(step.run)
+        if tqlib.HAS_CUDA:
+            cap, graph = self.capture(step, row)
+            row.update(cap)
+            if graph is not None:
+                row["replay"] = replay_vs_eager(step, graph, new)
+
+    def timing(self, reqs, row: dict) -> None:
+        step = Step(self.env, *self.parts, reqs, [c + q for c, q in reqs], seed=21)
+        steps, loops, reps = (1, 1, 1) if self.args.small else (20, 5, 5)
+        row["eager_wall_ms_per_step"] = wall_per_step(step.run, steps, loops)
+        row["eager_gpu_ms_per_step"] = tqlib.time_calls(step.run, 0.5, reps, 30)[
+            "median_ms"
+        ]
+        row["sync"] = count_syncs(step.run)
+        if tqlib.HAS_CUDA:
+            cap, graph = self.capture(step, row)
+            row["capture"] = cap["capture"]
+            if graph is not None:
+                row["graph_wall_ms_per_step"] = wall_per_step(graph.replay)
+                row["graph_gpu_ms_per_step"] = tqlib.time_calls(
+                    graph.replay, 0.5, 5, 30
+                )["median_ms"]
+
+    def mode(self, mode: str, res: dict) -> None:
+        tqlib.set_attention_mode(self.env, mode)
+        for name in self.args.scenarios.split(","):
+            key, reqs = f"{mode}/{name}", SCENARIOS[name]
             row: dict = {"reqs": reqs}
             res["scenarios"][key] = row
-            print(f"[{args.label}] {key} ...", flush=True)
-            if poisoned:
+            print(f"[{self.args.label}] {key} ...", flush=True)
+            if self.poisoned:
                 row["skipped"] = "CUDA context unusable after an earlier failed capture"
                 continue
-            try:
-                # New inputs for the replays: same q_lens; for requests served
-                # by the decode kernel (q_len <= 128) also new context lengths.
-                new = [
-                    [(c if q > 128 or q == 1 else c + 37 * (j + 1) * (r + 1), q)
-                     for j, (c, q) in enumerate(reqs)]
-                    for r in range(2)
-                ]  # fmt: skip
-                capacity = [
-                    max(c for c, _ in (x[j] for x in [reqs, *new])) + q
-                    for j, (_, q) in enumerate(reqs)
-                ]
-                step = Step(env, impl, layer, builder, reqs, capacity, seed=11)
-                out = step.run()
-                tqlib.sync()
-                samples[key] = out.float().cpu()
-                row["finite"] = bool(torch.isfinite(out).all())
-                row["sync"] = count_syncs(step.run)
-                if tqlib.HAS_CUDA:
-                    cap, graph = capture(step)
-                    row.update(cap)
-                    if graph is not None:
-                        row["replay"] = replay_vs_eager(step, graph, new)
-                    elif not cap.get("healthy_after", True):
-                        poisoned = True
-                del step
-            except Exception as e:
-                row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
-                row["trace"] = traceback.format_exc()[-1500:]
-            print(
-                f"[{args.label}] {key}: "
-                + json.dumps(
-                    {k: v for k, v in row.items() if k not in ("trace", "reqs")}
-                )[:600],
-                flush=True,
+            self.guarded(
+                key, row, lambda r: self.scenario(key, reqs, r), ("trace", "reqs")
             )
-
-        if args.no_timing or poisoned:
-            continue
+        if self.args.no_timing or self.poisoned:
+            return
         for name, reqs in TIMING.items():
             key = f"{mode}/{name}"
             row = {"reqs": len(reqs), "q_len": reqs[0][1], "cached": reqs[0][0]}
             res["timing"][key] = row
-            try:
-                step = Step(
-                    env, impl, layer, builder, reqs, [c + q for c, q in reqs], seed=21
-                )
-                steps, loops, reps = (1, 1, 1) if args.small else (20, 5, 5)
-                row["eager_wall_ms_per_step"] = wall_per_step(step.run, steps, loops)
-                row["eager_gpu_ms_per_step"] = tqlib.time_calls(
-                    step.run, 0.5, reps, 30
-                )["median_ms"]
-                row["sync"] = count_syncs(step.run)
-                if tqlib.HAS_CUDA:
-                    cap, graph = capture(step)
-                    row["capture"] = cap["capture"]
-                    if graph is not None:
-                        row["graph_wall_ms_per_step"] = wall_per_step(graph.replay)
-                        row["graph_gpu_ms_per_step"] = tqlib.time_calls(
-                            graph.replay, 0.5, 5, 30
-                        )["median_ms"]
-                    elif not cap.get("healthy_after", True):
-                        poisoned = True
-                del step
-            except Exception as e:
-                row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
-                row["trace"] = traceback.format_exc()[-1500:]
-            print(
-                f"[{args.label}] timing {key}: "
-                + json.dumps({k: v for k, v in row.items() if k != "trace"})[:500],
-                flush=True,
-            )
+            self.guarded(f"timing {key}", row, lambda r: self.timing(reqs, r))
 
+
+def main() -> int:
+    args = parse_args()
+    env = tqlib.use_tree(args.tree)
+    res: dict = {
+        "label": args.label,
+        "tree": str(env.tree),
+        "device": tqlib.device_info(),
+        "tree_has_flash_attn": env.has_flash_attn,
+        "scenarios": {},
+        "timing": {},
+    }
+    run = Run(args, env, build(env))
+    for mode in args.modes.split(","):
+        run.mode(mode, res)
     Path(args.out).write_text(json.dumps(res, indent=1, default=str))
     if args.samples:
-        torch.save(samples, args.samples)
+        torch.save(run.samples, args.samples)
     return 0
 
 

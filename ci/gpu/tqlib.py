@@ -1,7 +1,8 @@
-"""Shared helpers of the GPU scripts in ci/gpu/: import vLLM from a plain source
-tree (no compiled extensions), build a TurboQuant attention impl, layer and
-metadata builder the way tests/patches/ does, fill a TurboQuant cache with
-valid data, time calls with CUDA events, and stand in for flash-attn.
+"""Shared helpers of the GPU scripts in ci/gpu/: import vLLM from a source
+tree, build a TurboQuant config, impl, layer, metadata builder, cache and
+metadata with the targeted tests' harness (tests/patches/tqharness.py, so a
+vLLM API change is fixed there once), time calls with CUDA events, and
+stand in for flash-attn.
 
 Every script runs ONE tree per process (``--tree DIR``, the directory holding
 ``vllm/``): a failed CUDA-graph capture can poison the CUDA context, and two
@@ -18,6 +19,7 @@ import math
 import os
 import statistics
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -26,108 +28,96 @@ from typing import Any
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests" / "patches"))
+import tqharness as h  # noqa: E402
+
 HAS_CUDA = torch.cuda.is_available()
 if not HAS_CUDA:
     os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")
     os.environ.setdefault("TRITON_INTERPRET", "1")
 DEVICE = torch.device("cuda" if HAS_CUDA else "cpu")
-TQ_MODULE = "vllm.v1.attention.backends.turboquant_attn"
 
 
 def use_tree(tree: str | Path) -> SimpleNamespace:
     """Put ``tree`` first on sys.path, install the platform, import the
-    TurboQuant backend; returns the modules the scripts use."""
+    TurboQuant backend; returns the modules the scripts use.
+
+    A plain source tree runs on CpuPlatform with its tensors and Triton
+    kernels on the GPU (vLLM's compiled flash-attn is absent:
+    ``_HAS_FLASH_ATTN`` is False, merge_attn_states takes vLLM's Triton
+    kernel); a tree with its compiled extensions gets CudaPlatform."""
     tree = Path(tree).resolve()
     if not (tree / "vllm" / "__init__.py").is_file():
         raise SystemExit(f"{tree}: no vllm/__init__.py")
     sys.path.insert(0, str(tree))
-    import importlib
-
     import vllm
-    import vllm.platforms as platforms
 
     got = Path(vllm.__file__).resolve()
     assert tree in got.parents, f"vllm imported from {got}, not from {tree}"
-    # An uninstalled tree detects no platform (it reads the installed
-    # package's metadata): install one, as tests/patches/conftest.py does.
-    # CudaPlatform needs vLLM's compiled extensions (vllm._C, and
-    # vllm.vllm_flash_attn, which fa_utils imports on CUDA); a source tree
-    # has none, so it runs on CpuPlatform with its tensors and Triton
-    # kernels on the GPU (what a source tree gets on the device anyway:
-    # GPU.md). Consequences: _HAS_FLASH_ATTN is False, merge_attn_states
-    # takes vLLM's Triton kernel.
-    if HAS_CUDA and any((tree / "vllm").glob("_C.*so")):
-        from vllm.platforms.cuda import CudaPlatform as Platform
-    else:
-        from vllm.platforms.cpu import CpuPlatform as Platform  # type: ignore
-    platforms._current_platform = Platform()
-    if torch.accelerator.current_accelerator() is None:
-        torch.accelerator.empty_cache = lambda: None  # type: ignore[assignment]
-
-    from vllm.config import SchedulerConfig, VllmConfig, set_current_vllm_config
-    from vllm.model_executor.layers.quantization.turboquant.centroids import (
-        get_centroids,
-    )
-    from vllm.v1.attention.backend import CommonAttentionMetadata
+    h.install_platform(tree)
+    h.inspect_models_in_process()
     from vllm.v1.worker import workspace
 
-    tqa = importlib.import_module(TQ_MODULE)
+    tqa = h.tq_module()
     return SimpleNamespace(
         tree=tree,
         tqa=tqa,
         workspace=workspace,
-        VllmConfig=VllmConfig,
-        SchedulerConfig=SchedulerConfig,
-        set_config=set_current_vllm_config,
-        get_centroids=get_centroids,
-        CAM=CommonAttentionMetadata,
         has_flash_attn=bool(tqa._HAS_FLASH_ATTN),
+        models=Path(tempfile.mkdtemp(prefix="tq-model-")),
     )
 
 
 def make_config(
-    env: SimpleNamespace, *, max_num_batched_tokens: int, max_model_len: int
-):
-    sched = env.SchedulerConfig(
-        max_num_batched_tokens=max_num_batched_tokens,
-        max_model_len=max_model_len,
-        max_num_seqs=64,
-        is_encoder_decoder=False,
+    env: SimpleNamespace,
+    *,
+    hq: int,
+    hk: int,
+    d: int,
+    preset: str,
+    max_num_batched_tokens: int,
+    max_model_len: int,
+    block_size: int = 16,
+    dtype: torch.dtype = torch.bfloat16,
+) -> Any:
+    """A real VllmConfig through EngineArgs for a tiny local model of these
+    attention shapes (the tree's default attention settings)."""
+    model = h.write_tiny_model(
+        env.models / f"h{hq}_k{hk}_d{d}",
+        num_heads=hq,
+        num_kv_heads=hk,
+        head_dim=d,
+        dtype=str(dtype).removeprefix("torch."),
     )
-    return env.VllmConfig(scheduler_config=sched)
+    return h.make_vllm_config(
+        model,
+        preset=preset,
+        block_size=block_size,
+        max_model_len=max_model_len,
+        max_num_batched_tokens=max_num_batched_tokens,
+        max_num_seqs=64,
+        dtype=dtype,
+        kv_splits=None,
+    )
 
 
 def make_impl(env, config, preset: str, hq: int, hk: int, d: int) -> Any:
-    with env.set_config(config):
-        return env.tqa.TurboQuantAttentionImpl(
-            num_heads=hq,
-            head_size=d,
-            scale=d**-0.5,
-            num_kv_heads=hk,
-            kv_cache_dtype=preset,
-        )
+    return h.tq_impl(config, hq, d, hk, preset, env.tqa)
 
 
 def make_layer(env, impl, d: int) -> torch.nn.Module:
-    # The engine's Attention layer registers the centroids as a buffer, so
-    # they live on the GPU.
-    layer = torch.nn.Module()
-    c = env.get_centroids(d, impl.tq_config.centroid_bits)
-    layer.register_buffer("_tq_centroids", c.to(DEVICE))
-    return layer
+    return h.centroids_layer(impl, d, DEVICE)
 
 
-def make_builder(env, config, block_size: int, hk: int, d: int) -> Any:
-    spec = SimpleNamespace(block_size=block_size, num_kv_heads=hk, head_size=d)
-    return env.tqa.TurboQuantMetadataBuilder(spec, ["layer.0"], config, DEVICE)
+def make_builder(env, config, hq: int, hk: int, d: int) -> Any:
+    """The metadata builder for the KV cache spec of a real TurboQuant
+    Attention layer (registered in ``config``: one builder per config)."""
+    attn = h.build_tq_attention(config, hq, d, hk)
+    spec = h.runner_kv_cache_spec(attn, config)
+    return h.tq_builder(config, spec, [attn.layer_name], DEVICE, env.tqa)
 
 
-def workspace_bytes(env) -> int:
-    ws = env.workspace
-    if not ws.is_workspace_manager_initialized():
-        return 0
-    t = ws.current_workspace_manager()._current_workspaces[0]
-    return 0 if t is None else t.numel() * t.element_size()
+workspace_bytes = h.workspace_bytes
 
 
 def layer_tensor_bytes(layer) -> int:
@@ -146,23 +136,21 @@ def layer_tensor_bytes(layer) -> int:
 
 
 class Paged:
-    """A TurboQuant cache holding whole requests at random block ids."""
+    """A TurboQuant cache (laid out as the tree's runner lays it out)
+    holding whole requests at random block ids."""
 
-    def __init__(self, env, impl, layer, preset, hk, d, block_size, seqs, seed):
-        self.env, self.impl, self.layer = env, impl, layer
-        self.hk, self.d, self.bs = hk, d, block_size
-        shape = env.tqa.TurboQuantAttentionBackend.get_kv_cache_shape(
-            0, block_size, hk, d, preset
-        )
+    def __init__(self, impl, layer, preset, hk, d, block_size, seqs, seed):
+        self.impl, self.layer = impl, layer
         nblk = [math.ceil(s / block_size) for s in seqs]
         total = sum(nblk) + 1
-        g = torch.Generator(device=DEVICE).manual_seed(seed)
+        g = torch.Generator().manual_seed(seed)
         # Random bytes: a slot nobody wrote reads as garbage.
-        self.kv_cache = torch.randint(
-            0, 256, (total, *shape[1:]), dtype=torch.uint8, device=DEVICE, generator=g
+        cache = h.new_tq_kv_cache(
+            total, block_size, hk, d, preset, generator=g, device=DEVICE
         )
-        self.slot_bytes = shape[-1]
-        perm = torch.randperm(total, device=DEVICE, generator=g)
+        self.kv_cache = cache.runner
+        self.slot_bytes = cache.slots.shape[-1]
+        perm = torch.randperm(total, generator=g).to(DEVICE)
         self.block_table = torch.zeros(
             len(seqs), max(nblk), dtype=torch.int32, device=DEVICE
         )
@@ -200,7 +188,7 @@ def rand(shape, dtype, gen: torch.Generator) -> torch.Tensor:
     )
 
 
-def make_cam(env, paged: Paged, rows: list[int], cached: list[int], qlens: list[int]):
+def make_cam(paged: Paged, rows: list[int], cached: list[int], qlens: list[int]):
     """CommonAttentionMetadata for requests ``rows`` of ``paged`` scheduling
     ``qlens[j]`` tokens after ``cached[j]`` (host and device copies, as the
     runner makes them)."""
@@ -211,7 +199,7 @@ def make_cam(env, paged: Paged, rows: list[int], cached: list[int], qlens: list[
     slot_mapping = torch.cat(
         [paged.slots[r][c : c + q] for r, c, q in zip(rows, cached, qlens, strict=True)]
     )
-    return env.CAM(
+    return h.common_attn_metadata(
         query_start_loc=qsl.to(DEVICE),
         query_start_loc_cpu=qsl,
         seq_lens=seq_lens.to(DEVICE),
@@ -231,64 +219,24 @@ def make_cam(env, paged: Paged, rows: list[int], cached: list[int], qlens: list[
 # --------------------------------------------------------------------------
 
 
-def _math_varlen(q, k, v, cu_q, cu_k, scale, causal):
-    """fp32 reference of flash-attn varlen (bottom-right causal), for CPU."""
-    outs, lses = [], []
-    cq, ck = cu_q.tolist(), cu_k.tolist()
-    hq, hk = q.shape[1], k.shape[1]
-    for i in range(len(cq) - 1):
-        qi = q[cq[i] : cq[i + 1]].float().transpose(0, 1)
-        ki = k[ck[i] : ck[i + 1]].float().repeat_interleave(hq // hk, 1).transpose(0, 1)
-        vi = v[ck[i] : ck[i + 1]].float().repeat_interleave(hq // hk, 1).transpose(0, 1)
-        s = qi @ ki.transpose(1, 2) * scale
-        if causal:
-            lq, lk = qi.shape[1], ki.shape[1]
-            qp = torch.arange(lq).unsqueeze(1) + (lk - lq)
-            s = s.masked_fill(torch.arange(lk).unsqueeze(0) > qp, float("-inf"))
-        lse = torch.logsumexp(s, -1)
-        outs.append((torch.exp(s - lse.unsqueeze(-1)) @ vi).transpose(0, 1).to(q.dtype))
-        lses.append(lse)
-    return torch.cat(outs), torch.cat(lses, 1)
-
-
-def flash_attn_varlen_shim(
-    q,
-    k,
-    v,
-    cu_seqlens_q,
-    cu_seqlens_k,
-    max_seqlen_q,
-    max_seqlen_k,
-    softmax_scale=None,
-    causal=False,
-    return_softmax_lse=False,
-    return_attn_probs=False,
-    fa_version=None,
-    out=None,
-    **_: Any,
-):
+class TorchFlashAttn(h.ReferenceFlashAttn):
     """vllm_flash_attn's ``flash_attn_varlen_func`` on PyTorch's own FA2
     (``aten._flash_attention_forward``: varlen, GQA, bottom-right causal,
-    LSE (Hq, total_q)); CPU: an fp32 math stand-in."""
-    scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
-    if q.is_cuda:
+    LSE (Hq, total_q)); CPU: the tests' float64 reference."""
+
+    def attend(self, q, k, v, cu_q, cu_k, max_q: int, max_k: int, scale, causal):
+        if not q.is_cuda:
+            return super().attend(q, k, v, cu_q, cu_k, max_q, max_k, scale, causal)
         res = torch.ops.aten._flash_attention_forward(
-            q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-            0.0, causal, False, scale=scale,
-        )  # fmt: skip
+            q, k, v, cu_q, cu_k, max_q, max_k, 0.0, causal, False, scale=scale
+        )
         o, lse = res[0], res[1]
         if lse.dim() == 3:  # padded (batch, heads, max_q): one sequence here
             lse = lse[0, :, : q.shape[0]]
-    else:
-        o, lse = _math_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, scale, causal)
-    if out is not None:
-        out.copy_(o)
-        o = out
-    if return_softmax_lse:
         return o, lse
-    if return_attn_probs:
-        return o, lse, None
-    return o
+
+
+flash_attn_varlen_shim = TorchFlashAttn()
 
 
 def set_attention_mode(env, mode: str) -> None:
@@ -319,7 +267,8 @@ def set_attention_mode(env, mode: str) -> None:
 
 
 def check_shim() -> dict:
-    """The stand-in against fp32 math: GQA, bottom-right causal, LSE."""
+    """The stand-in against the float64 reference: GQA, bottom-right causal,
+    LSE."""
     g = torch.Generator(device=DEVICE).manual_seed(7)
     res = {}
     for lq, lk, causal in ((256, 1024, True), (200, 700, False), (128, 128, True)):
@@ -331,8 +280,8 @@ def check_shim() -> dict:
         o, lse = flash_attn_varlen_shim(
             q, k, v, cq, ck, lq, lk, 256**-0.5, causal, return_softmax_lse=True
         )
-        ro, rl = _math_varlen(
-            q.cpu(), k.cpu(), v.cpu(), cq.cpu(), ck.cpu(), 256**-0.5, causal
+        ro, rl = h.ReferenceFlashAttn().attend(
+            q.cpu(), k.cpu(), v.cpu(), cq.cpu(), ck.cpu(), lq, lk, 256**-0.5, causal
         )
         res[f"q{lq}_k{lk}_causal{int(causal)}"] = {
             "out_rel_err": rel_err(o, ro),

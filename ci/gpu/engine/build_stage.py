@@ -175,14 +175,19 @@ def py_tar(tree: Path, out: Path) -> Path:
                 continue
             names.append(rp)
     tmp = out.with_suffix(".tmp")
-    with tarfile.open(tmp, "w", format=tarfile.GNU_FORMAT) as tf:
-        for rp in names:
-            ti = tf.gettarinfo(str(tree / rp), arcname=rp)
-            ti.mtime, ti.uid, ti.gid, ti.uname, ti.gname = 0, 0, 0, "", ""
-            with open(tree / rp, "rb") as f:
-                tf.addfile(ti, f)
+    write_tar(tmp, tree, names)
     tmp.replace(out)
     return out
+
+
+def write_tar(out: Path, root: Path, names: list[str]) -> None:
+    """A deterministic tar of ``names`` under ``root`` (no times, no owners)."""
+    with tarfile.open(out, "w", format=tarfile.GNU_FORMAT) as tf:
+        for rp in names:
+            ti = tf.gettarinfo(str(root / rp), arcname=rp)
+            ti.mtime, ti.uid, ti.gid, ti.uname, ti.gname = 0, 0, 0, "", ""
+            with open(root / rp, "rb") as f:
+                tf.addfile(ti, f)
 
 
 def deps_tar(whl_dir: Path, out: Path) -> tuple[Path, list[str]]:
@@ -201,12 +206,7 @@ def deps_tar(whl_dir: Path, out: Path) -> tuple[Path, list[str]]:
         for a in site.rglob("*.a"):  # static libraries are never loaded at run time
             a.unlink()
         names = sorted(str(p.relative_to(site)) for p in site.rglob("*") if p.is_file())
-        with tarfile.open(out, "w", format=tarfile.GNU_FORMAT) as tf:
-            for rp in names:
-                ti = tf.gettarinfo(str(site / rp), arcname=rp)
-                ti.mtime, ti.uid, ti.gid, ti.uname, ti.gname = 0, 0, 0, "", ""
-                with open(site / rp, "rb") as f:
-                    tf.addfile(ti, f)
+        write_tar(out, site, names)
         shutil.rmtree(site)
     return out, [w.name for w in wheels]
 

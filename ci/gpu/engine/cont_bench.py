@@ -48,8 +48,9 @@ def run(res: dict, release: str, variant: str, tree: str, json_path: str) -> Non
     orig_use_tree = tqlib.use_tree
 
     def use_tree(t):
-        # as tqlib.use_tree, but the platform is CUDA whenever the tree has
-        # its compiled extensions (_C or _C_stable_libtorch) and a GPU is there
+        # tqlib.use_tree installs CudaPlatform where the tree has its compiled
+        # extensions (vllm/_C*.so: _C or _C_stable_libtorch) and a GPU is
+        # there; this run needs it
         import vllm.platforms as platforms
         from vllm.platforms.cuda import CudaPlatform
 
@@ -58,30 +59,6 @@ def run(res: dict, release: str, variant: str, tree: str, json_path: str) -> Non
             raise RuntimeError(f"platform is {type(platforms._current_platform).__name__}, "
                                "expected CudaPlatform (compiled extensions missing?)")
         return env
-
-    def use_tree_cuda(t):
-        tree_p = Path(t).resolve()
-        has_ext = any((tree_p / "vllm").glob("_C*.so"))
-        if torch.cuda.is_available() and has_ext and not any((tree_p / "vllm").glob("_C.*so")):
-            # tqlib only looks for vllm/_C.*so (v0.20-v0.23); later releases
-            # have _C_stable_libtorch only: install CudaPlatform ourselves.
-            import vllm.platforms as platforms
-            from vllm.platforms.cuda import CudaPlatform
-
-            real_glob = Path.glob
-
-            def glob(self, pattern, *a, **k):
-                if pattern == "_C.*so" and self == tree_p / "vllm":
-                    return iter([tree_p / "vllm" / "_C_stable_libtorch.abi3.so"])
-                return real_glob(self, pattern, *a, **k)
-
-            Path.glob = glob
-            try:
-                return use_tree(t)
-            finally:
-                Path.glob = real_glob
-                assert isinstance(platforms._current_platform, CudaPlatform)
-        return use_tree(t)
 
     orig_make_config = tqlib.make_config
 
@@ -105,7 +82,7 @@ def run(res: dict, release: str, variant: str, tree: str, json_path: str) -> Non
             f"{getattr(m, '__module__', '?')}.{getattr(m, '__name__', '?')}" if m else "not used by this tree"
         )
 
-    tqlib.use_tree = use_tree_cuda
+    tqlib.use_tree = use_tree
     tqlib.make_config = make_config
     tqlib.set_attention_mode = set_attention_mode
     out = Path(json_path).with_suffix(".bench.json")
