@@ -540,7 +540,7 @@ def main() -> int:
         for it in rs["items"]:
             log(f"  {it['name']:60s} {it['raw_bytes'] / MiB:8.1f} -> {it['z_bytes'] / MiB:7.2f} MiB  ({it['method']})")
     if not ok:
-        log(f"\nbuild_stage: FAILED size check: a carry is >= 60.5 MiB or carry + repo >= 64 MiB")
+        log("\nbuild_stage: FAILED size check: a carry is >= 60.5 MiB or carry + repo >= 64 MiB")
         return 3
     return 0
 

@@ -39,7 +39,6 @@ def variant_letter(release: str, variant: str) -> str:
 
 def run(res: dict, release: str, variant: str, tree: str, json_path: str) -> None:
     sys.path.insert(0, str(GPU_DIR))
-    import torch
     import tqlib
     import tq_continuation_bench as bench
 
