@@ -38,8 +38,12 @@ rm -f "$out"/*.tar.gz
 : > "$out/MANIFEST"
 
 pack() {  # name dir-holding-vllm
+  # Python and data only: the Rust frontend binary and C++/CUDA sources of
+  # later releases (v0.33.0: 120 MB) are never loaded from a source tree.
   tar -C "$2" --sort=name --owner=0 --group=0 --numeric-owner --mtime=@0 \
-    --exclude=__pycache__ -czf "$out/$1.tar.gz" vllm
+    --exclude=__pycache__ --exclude=vllm/vllm-rs --exclude='*.h' \
+    --exclude='*.hpp' --exclude='*.cuh' --exclude='*.cu' --exclude='*.cpp' \
+    --exclude='*.inl' --exclude='*.js' -czf "$out/$1.tar.gz" vllm
   echo "$1.tar.gz $(du -k "$out/$1.tar.gz" | cut -f1) KiB: $3" | tee -a "$out/MANIFEST"
   if [ -n "$extract" ]; then
     rm -rf "${extract:?}/$1"; mkdir -p "$extract/$1"; cp -a "$2/vllm" "$extract/$1/"

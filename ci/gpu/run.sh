@@ -100,8 +100,10 @@ if has newest; then
     run bench33_${v%%:*} 150 $PY ci/gpu/tq_continuation_bench.py --tree $T/${v#*:} \
       --variant ${v%%:*} --out $W/bench33_${v%%:*}.json
   done
-  BASE_TREE= pt tq33_patched tq33-patched tests/patches/test_tq_workspace.py \
-    tests/patches/test_tq_host_metadata.py
+  # Each patch's tests (its Tests: lines), as apply.py selects them.
+  sel=$(for p in $(grep -E '^tq-v0.33/' series); do
+          grep '^Tests:' "patches/$p" | cut -d' ' -f2-; done)
+  BASE_TREE= pt tq33_patched tq33-patched $sel
   reg=$(for p in $(grep -E '^tq-v0.33/' series); do
           grep -m1 '^Tests:' "patches/$p" | cut -d' ' -f2-; done)
   BASE_TREE= pt tq33_base_regression tq33-base $reg

@@ -39,7 +39,8 @@ DEVICE = torch.device("cuda" if HAS_CUDA else "cpu")
 
 
 def use_tree(tree: str | Path) -> SimpleNamespace:
-    """Put ``tree`` first on sys.path, install the platform, import the
+    """Make ``tree`` this process's vLLM in the tests' environment
+    (``tqharness.use_tree_env``), install the platform, import the
     TurboQuant backend; returns the modules the scripts use.
 
     A plain source tree runs on CpuPlatform with its tensors and Triton
@@ -49,7 +50,7 @@ def use_tree(tree: str | Path) -> SimpleNamespace:
     tree = Path(tree).resolve()
     if not (tree / "vllm" / "__init__.py").is_file():
         raise SystemExit(f"{tree}: no vllm/__init__.py")
-    sys.path.insert(0, str(tree))
+    h.use_tree_env(tree)
     import vllm
 
     got = Path(vllm.__file__).resolve()
@@ -352,7 +353,7 @@ def ceilings(small: bool = False) -> dict:
     n = 1 << 30  # 1 GiB source
     src = torch.empty(n, dtype=torch.uint8, device=DEVICE).random_()
     dst = torch.empty_like(src)
-    t = time_calls(lambda: dst.copy_(src), 0.3, 10, 10)
+    t = time_calls(lambda d=dst, s=src: d.copy_(s), 0.3, 10, 10)
     bw = 2 * n / (t["median_ms"] * 1e-3)
     del src, dst
     m = 8192
@@ -360,7 +361,7 @@ def ceilings(small: bool = False) -> dict:
     b = torch.randn(m, m, device=DEVICE, dtype=torch.bfloat16)
     for _ in range(3):
         a @ b
-    t2 = time_calls(lambda: a @ b, 0.3, 10, 10)
+    t2 = time_calls(lambda a=a, b=b: a @ b, 0.3, 10, 10)
     rate = 2 * m**3 / (t2["median_ms"] * 1e-3)
     del a, b
     torch.cuda.empty_cache()

@@ -37,11 +37,7 @@ that collection works without a tree.
 
 from __future__ import annotations
 
-import atexit
 import os
-import shutil
-import sys
-import tempfile
 from pathlib import Path
 
 import pytest
@@ -54,20 +50,14 @@ if not HAS_CUDA:
     os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-
-
 if TREE and not os.environ.get("VLLM_PATCHES_TREE_ENV"):
     # Run by hand: the environment apply.py gives every run.
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-    from applylib.testrun import tree_env
+    import tqharness
 
     _tree = Path(TREE).resolve()
     if not (_tree / "vllm" / "__init__.py").is_file():
         raise pytest.UsageError(f"VLLM_TREE={TREE}: no vllm/__init__.py there")
-    _scratch = Path(tempfile.mkdtemp(prefix="vllm-tree-"))
-    atexit.register(shutil.rmtree, _scratch, True)
-    os.environ.update(tree_env(_tree, _scratch))
-    sys.path[0:0] = os.environ["PYTHONPATH"].split(os.pathsep)[:2]
+    tqharness.use_tree_env(_tree)
 
 
 def pytest_configure(config: pytest.Config) -> None:

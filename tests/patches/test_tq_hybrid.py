@@ -231,8 +231,9 @@ def engine_env(cpu_platform, restore_environ, monkeypatch, tmp_path_factory):
 def tq_log(caplog) -> pytest.LogCaptureFixture:
     """INFO messages, in ``tq_log.messages`` (logged by
     ``create_engine_config`` with tq/0003, by TurboQuant's config module
-    upstream)."""
+    upstream), whatever level ``VLLM_LOGGING_LEVEL`` gives vLLM's logger."""
     caplog.set_level(logging.INFO)
+    caplog.set_level(logging.INFO, logger="vllm")
     return caplog
 
 

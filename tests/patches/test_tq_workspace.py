@@ -170,9 +170,13 @@ def build_builder(vllm_config, shape: Shape, layers: list, device: torch.device)
 
 @pytest.fixture
 def tq_env(cpu_platform, vllm_tree, monkeypatch: pytest.MonkeyPatch):
-    """A clean workspace manager per test (the manager is process-global)."""
+    """A clean workspace manager per test (the manager is process-global),
+    and model classes inspected in this process: vLLM's subprocess for it
+    detects its own platform, CUDA on a GPU, which a source tree cannot load
+    (no vllm._C)."""
     from vllm.v1.worker import workspace
 
+    h.inspect_models_in_process(monkeypatch)
     workspace.reset_workspace_manager()
     yield workspace
     workspace.reset_workspace_manager()

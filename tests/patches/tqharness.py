@@ -16,6 +16,9 @@ before ``VLLM_TREE`` is on ``sys.path``.
 API (used by the tq tests and by the GPU scripts in ci/gpu/, through
 ci/gpu/tqlib.py):
 
+``use_tree_env(tree)``
+    Make the source tree ``tree`` this process's only vLLM, in the
+    environment apply.py gives every test run (before vLLM is imported).
 ``install_platform(tree, setattr=setattr)``
     vLLM's platform for a source tree (CpuPlatform, or CudaPlatform where
     the tree has its compiled extensions and a GPU is there), installed as
@@ -113,6 +116,28 @@ TQ_MODULE = "vllm.v1.attention.backends.turboquant_attn"
 # --------------------------------------------------------------------------
 # Platform, config and layers, as the engine makes them
 # --------------------------------------------------------------------------
+
+
+def use_tree_env(tree: Path) -> None:
+    """Make the source tree ``tree`` this process's (and its subprocesses')
+    only vLLM, in the environment apply.py gives every test run
+    (``applylib/testrun.tree_env``: the tree and a minimal package metadata
+    for it lead the path, so vLLM finds its version, which platform
+    detection and from v0.23.0 its Triton check read; private vLLM, Triton
+    and torch.compile caches). Call it before anything imports vLLM."""
+    import atexit
+    import os
+    import shutil
+    import sys
+    import tempfile
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+    from applylib.testrun import tree_env
+
+    scratch = Path(tempfile.mkdtemp(prefix="vllm-tree-"))
+    atexit.register(shutil.rmtree, scratch, True)
+    os.environ.update(tree_env(Path(tree), scratch))
+    sys.path[0:0] = os.environ["PYTHONPATH"].split(os.pathsep)[:2]
 
 
 def install_platform(tree: Path, setattr: Any = setattr) -> Any:
