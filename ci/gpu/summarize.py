@@ -48,23 +48,25 @@ def fmt(x, nd=2, unit="") -> str:
 PREV: dict = {}  # --prev: results of an earlier summary (cross-checks)
 
 
-def cudagraph(work: Path, lines: list[str]) -> dict:
-    base, pat = load(work / "cg_base.json"), load(work / "cg_patched.json")
+def cudagraph(
+    work: Path, lines: list[str], pre: str = "cg", title: str = "Issue 4"
+) -> dict:
+    base, pat = load(work / f"{pre}_base.json"), load(work / f"{pre}_patched.json")
     res = {"base": base, "patched": pat}
     if not base and not pat and not (work / "cg_fix.json").exists():
-        lines.append("\n(issue 4: no cudagraph results)\n")
+        lines.append(f"\n({title}: no cudagraph results)\n")
         return res
     sb, sp = (
-        load_pt(work / "cg_samples_base.pt"),
-        load_pt(work / "cg_samples_patched.pt"),
+        load_pt(work / f"{pre}_samples_base.pt"),
+        load_pt(work / f"{pre}_samples_patched.pt"),
     )
     fx0 = load(work / "cg_fix.json")
     dev = (pat or base or fx0)["device"]
-    lines.append(f"\n### Issue 4: CUDA-graph capture, syncs ({dev.get('device')})\n")
+    lines.append(f"\n### {title}: CUDA-graph capture, syncs ({dev.get('device')})\n")
     lines.append(
-        "| mode/scenario | base syncs/step | base sync 'error' | base capture | patched syncs/step | patched sync 'error' | patched capture | replay == eager (max abs diff) | patched vs base eager (rel) |"
+        "| mode/scenario | base syncs/step | base sync 'error' | base capture | base replay == eager (max abs diff) | patched syncs/step | patched sync 'error' | patched capture | patched replay == eager (max abs diff) | patched vs base eager (rel) |"
     )
-    lines.append("|---|---|---|---|---|---|---|---|---|")
+    lines.append("|---|---|---|---|---|---|---|---|---|---|")
     keys = list(
         ((pat or {}).get("scenarios") or (base or {}).get("scenarios") or {}).keys()
     )
@@ -84,18 +86,22 @@ def cudagraph(work: Path, lines: list[str]) -> dict:
                 return "FAILS: " + x.get("capture_error", "")[:90]
             return x.get("capture", x.get("skipped", "-"))
 
-        rp = p.get("replay")
-        rps = (
-            "-"
-            if not rp
-            else ("yes" if rp["ok"] else "NO")
-            + " ("
-            + ", ".join(
-                f"{o['max_abs_diff']:.2g}" + (" bit-exact" if o["bit_exact"] else "")
-                for o in rp["replays"]
-            )
-            + ")"
-        )
+        def replayed(x):
+            rp = x.get("replay")
+            if not rp:
+                return "-"
+            return (
+                ("yes" if rp["ok"] and all(o["bit_exact"] for o in rp["replays"])
+                 else "NO")
+                + " ("
+                + ", ".join(
+                    f"{o['max_abs_diff']:.2g}"
+                    + (" bit-exact" if o["bit_exact"] else "")
+                    for o in rp["replays"]
+                )
+                + ")"
+            )  # fmt: skip
+
         for x in (b, p):
             sy = x.get("sync", {})
             if any("prototype feature" in m for m in sy.get("sync_messages", [])):
@@ -105,8 +111,8 @@ def cudagraph(work: Path, lines: list[str]) -> dict:
                     m for m in sy["sync_messages"] if "prototype" not in m
                 ]
         lines.append(
-            f"| {k} | {b.get('sync', {}).get('syncs_per_step', '-')} | {b.get('sync', {}).get('error_mode', '-')[:70]} | {cap(b)} "
-            f"| {p.get('sync', {}).get('syncs_per_step', '-')} | {p.get('sync', {}).get('error_mode', '-')[:70]} | {cap(p)} | {rps} | {fmt(r, 4) if r is not None else '-'} |"
+            f"| {k} | {b.get('sync', {}).get('syncs_per_step', '-')} | {b.get('sync', {}).get('error_mode', '-')[:70]} | {cap(b)} | {replayed(b)} "
+            f"| {p.get('sync', {}).get('syncs_per_step', '-')} | {p.get('sync', {}).get('error_mode', '-')[:70]} | {cap(p)} | {replayed(p)} | {fmt(r, 4) if r is not None else '-'} |"
         )
     res["patched_vs_base_eager_rel_err"] = cross
     fx = load(work / "cg_fix.json")
@@ -145,17 +151,19 @@ def cudagraph(work: Path, lines: list[str]) -> dict:
     return res
 
 
-def bench(work: Path, lines: list[str]) -> dict:
-    v = {x: load(work / f"bench_{x}.json") for x in "abc"}
+def bench(
+    work: Path, lines: list[str], pre: str = "bench", title: str = "Issue 3"
+) -> dict:
+    v = {x: load(work / f"{pre}_{x}.json") for x in "abc"}
     s = {x: load_pt(work / f"samples_{x}.pt") for x in "abc"}
     res: dict = {"variants": v, "rows": [], "targets": {}}
     if not any(v.values()):
-        lines.append("\n(issue 3: no bench results)\n")
+        lines.append(f"\n({title}: no bench results)\n")
         return res
     anyv = next(x for x in v.values() if x)
     ceil = anyv["ceilings"]
     lines.append(
-        f"\n### Issue 3: continuation prefill ({anyv['device'].get('device')})\n"
+        f"\n### {title}: continuation prefill ({anyv['device'].get('device')})\n"
     )
     lines.append(
         f"Ceilings measured in the run: copy {ceil['copy_bytes_per_s'] / 1e12:.2f} TB/s (read+write), "
@@ -352,8 +360,12 @@ def tests(work: Path, lines: list[str]) -> dict:
         "dsv4_patched",
         "dsv4_base",
         "tq_fix",
+        "tq33_patched",
+        "tq33_base_regression",
     ):
         p = work / f"junit_{name}.xml"
+        if not p.exists() and name.startswith("tq33") and name not in rcs:
+            continue  # the newest part was not asked for
         if not p.exists():
             status = (
                 "not run"
@@ -416,6 +428,13 @@ def main() -> int:
     (out / "tq_continuation_bench.json").write_text(
         json.dumps(b, indent=1, default=str)
     )
+    if (work / "cg33_base.json").exists() or (work / "bench33_c.json").exists():
+        title = "tq-v0.33 on v0.33.0 (base: b, patched: c)"
+        newest = {
+            "cudagraph": cudagraph(work, lines, "cg33", title),
+            "bench": bench(work, lines, "bench33", title),
+        }
+        (out / "tq33.json").write_text(json.dumps(newest, indent=1, default=str))
     t = tests(work, lines)
     nr = (work / "not_run").read_text().split() if (work / "not_run").exists() else []
     if nr:

@@ -2,9 +2,10 @@
 vLLM tree (issue 3 / tq/0001). One variant per process:
 
   a  v0.20.2 unpatched: per-layer dequant buffers sized by the context
-  b  v0.21.0: full dequant into the shared workspace, pre-grown to what
-     v0.24.0 reserves (2 x round_up(max_model_len - 1, block) x Hk x D x 2 B)
-     and locked
+  b  an unpatched later release: full dequant into the shared workspace,
+     as the release reserves it (v0.24.0+), or on v0.21.0, which reserves
+     nothing, pre-grown to what v0.24.0 reserves (2 x round_up(max_model_len
+     - 1, block) x Hk x D x 2 B); locked
   c  the patched tree: tiled dequant in a workspace reserved at impl
      construction, locked
 
@@ -57,10 +58,9 @@ CATEGORIES = {
 
 def reservation(env, variant: str) -> dict:
     """Workspace bytes reserved before lock at max_model_len 128K and 1M."""
-    ws = env.workspace
     out = {}
     for mml in MML:
-        ws.reset_workspace_manager()
+        env.workspace.reset_workspace_manager()
         if variant == "a":
             # No workspace: per-layer fp16 K and V buffers grow to the
             # longest cached context (the formula; measured retention below).
@@ -70,22 +70,32 @@ def reservation(env, variant: str) -> dict:
                 "workspace_bytes": 0,
             }
             continue
-        ws.init_workspace_manager(tqlib.DEVICE)
-        if variant == "b":
-            alloc = -(-(mml - 1) // BLOCK) * BLOCK
-            shape = (1, HK, alloc, D)
-            ws.current_workspace_manager().get_simultaneous(
-                (shape, torch.float16), (shape, torch.float16)
-            )
-        else:
-            for preset in PRESETS:
-                cfg = config(env, preset, mml)
-                tqlib.make_impl(env, cfg, preset, HQ, HK, D)
+        reserve(env, variant, mml)
         out[str(mml)] = {"workspace_bytes": tqlib.workspace_bytes()}
-        ws.reset_workspace_manager()
+        env.workspace.reset_workspace_manager()
         if tqlib.HAS_CUDA:
             torch.cuda.empty_cache()
     return out
+
+
+def reserve(env, variant: str, mml: int) -> tuple[dict, dict]:
+    """As the model runner up to the lock: workspace manager (b, c), impls
+    and builders by preset (the tree's own reservation: the patched tiles,
+    or a later release's max_model_len-sized buffer); b on a tree that
+    reserves nothing (v0.21.0) gets v0.24.0's reservation."""
+    ws = env.workspace
+    if variant in "bc":
+        ws.init_workspace_manager(tqlib.DEVICE)
+    cfgs = {p: config(env, p, mml) for p in PRESETS}
+    impls = {p: tqlib.make_impl(env, cfgs[p], p, HQ, HK, D) for p in PRESETS}
+    builders = {p: tqlib.make_builder(env, cfgs[p], HQ, HK, D) for p in PRESETS}
+    if variant == "b" and tqlib.workspace_bytes() == 0:
+        alloc = -(-(mml - 1) // BLOCK) * BLOCK
+        shape = (1, HK, alloc, D)
+        ws.current_workspace_manager().get_simultaneous(
+            (shape, torch.float16), (shape, torch.float16)
+        )
+    return impls, builders
 
 
 def config(env, preset: str, max_model_len: int):
@@ -162,24 +172,12 @@ def header(args, env, modes: list[str]) -> dict:
 
 
 def build(env, variant: str, res: dict) -> tuple[dict, dict]:
-    """As the model runner: workspace manager, impls, builders, reservation
-    (b: v0.24.0's; c: the impl's own), lock. Impls and builders by preset."""
-    ws = env.workspace
-    ws.reset_workspace_manager()
-    mml_bench = MML[0]
-    cfgs = {p: config(env, p, mml_bench) for p in PRESETS}
+    """The timed impls and builders by preset, reserved (``reserve``) at
+    max_model_len 128K, then the workspace locked."""
+    env.workspace.reset_workspace_manager()
+    impls, builders = reserve(env, variant, MML[0])
     if variant in "bc":
-        ws.init_workspace_manager(tqlib.DEVICE)
-    impls = {p: tqlib.make_impl(env, cfgs[p], p, HQ, HK, D) for p in PRESETS}
-    builders = {p: tqlib.make_builder(env, cfgs[p], HQ, HK, D) for p in PRESETS}
-    if variant == "b":
-        alloc = -(-(mml_bench - 1) // BLOCK) * BLOCK
-        shape = (1, HK, alloc, D)
-        ws.current_workspace_manager().get_simultaneous(
-            (shape, torch.float16), (shape, torch.float16)
-        )
-    if variant in "bc":
-        ws.lock_workspace()
+        env.workspace.lock_workspace()
         res["bench_workspace_bytes"] = tqlib.workspace_bytes()
     if variant == "c":
         res["tile_tokens"] = impls[PRESETS[0]]._tile_tokens
