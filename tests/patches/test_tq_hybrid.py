@@ -797,20 +797,15 @@ def test_hybrid_kv_cache_specs_consistent(
 AUTO_DTYPE = r"Unknown TurboQuant cache dtype: 'auto'"
 
 
+# The attention shape of the small dense and hybrid models.
+SMALL_ATTENTION = dict(
+    num_attention_heads=4, num_key_value_heads=2, head_dim=128, hidden_size=512
+)
+
+
 def small_dense() -> Any:
     """A Llama with 8 layers (TurboQuant on 2..5, boundary layers native)."""
-    from transformers import LlamaConfig
-
-    return LlamaConfig(
-        num_hidden_layers=8,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=128,
-        hidden_size=512,
-        max_position_embeddings=4096,
-        vocab_size=1024,
-        architectures=["LlamaForCausalLM"],
-    )
+    return hf_config("LlamaConfig", LLAMA_3_8B, num_hidden_layers=8, **SMALL_ATTENTION)
 
 
 def small_hybrid() -> Any:
@@ -818,14 +813,11 @@ def small_hybrid() -> Any:
     return qwen3_next(
         num_hidden_layers=4,
         layer_types=["linear_attention"] * 3 + ["full_attention"],
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=128,
-        hidden_size=512,
         linear_num_key_heads=4,
         linear_num_value_heads=4,
         linear_key_head_dim=64,
         linear_value_head_dim=64,
+        **SMALL_ATTENTION,
     )
 
 
