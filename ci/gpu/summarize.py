@@ -67,6 +67,32 @@ def cudagraph(
         "| mode/scenario | base syncs/step | base sync 'error' | base capture | base replay == eager (max abs diff) | patched syncs/step | patched sync 'error' | patched capture | patched replay == eager (max abs diff) | patched vs base eager (rel) |"
     )
     lines.append("|---|---|---|---|---|---|---|---|---|---|")
+    res["patched_vs_base_eager_rel_err"] = scenario_rows(base, pat, sb, sp, lines)
+    fx = load(work / "cg_fix.json")
+    if fx:
+        res["fix"] = fx
+        lines.append("\nProposed fallback tree (ci/gpu/proposed/), same checks:\n")
+        lines.append(
+            "| mode/scenario | syncs/step | sync 'error' | capture | replay == eager |"
+        )
+        lines.append("|---|---|---|---|---|")
+        for k, x in fx.get("scenarios", {}).items():
+            rp = x.get("replay") or {}
+            lines.append(
+                f"| {k} | {x.get('sync', {}).get('syncs_per_step', '-')} | {x.get('sync', {}).get('error_mode', '-')[:60]} "
+                f"| {x.get('capture', x.get('error', '-'))[:80]} | {('yes' if rp.get('ok') else 'NO') if rp else '-'} |"
+            )
+        for k, x in fx.get("timing", {}).items():
+            lines.append(
+                f"\nfix {k}: eager wall/step {fmt(x.get('eager_wall_ms_per_step'), 3)} ms, graph replay wall/step {fmt(x.get('graph_wall_ms_per_step'), 3)} ms"
+            )
+    timing_rows(base, pat, lines)
+    return res
+
+
+def scenario_rows(base, pat, sb, sp, lines: list[str]) -> dict:
+    """One line per scenario, base beside patched; patched vs base eager
+    output (rel err) by scenario."""
     keys = list(
         ((pat or {}).get("scenarios") or (base or {}).get("scenarios") or {}).keys()
     )
@@ -114,25 +140,10 @@ def cudagraph(
             f"| {k} | {b.get('sync', {}).get('syncs_per_step', '-')} | {b.get('sync', {}).get('error_mode', '-')[:70]} | {cap(b)} | {replayed(b)} "
             f"| {p.get('sync', {}).get('syncs_per_step', '-')} | {p.get('sync', {}).get('error_mode', '-')[:70]} | {cap(p)} | {replayed(p)} | {fmt(r, 4) if r is not None else '-'} |"
         )
-    res["patched_vs_base_eager_rel_err"] = cross
-    fx = load(work / "cg_fix.json")
-    if fx:
-        res["fix"] = fx
-        lines.append("\nProposed fallback tree (ci/gpu/proposed/), same checks:\n")
-        lines.append(
-            "| mode/scenario | syncs/step | sync 'error' | capture | replay == eager |"
-        )
-        lines.append("|---|---|---|---|---|")
-        for k, x in fx.get("scenarios", {}).items():
-            rp = x.get("replay") or {}
-            lines.append(
-                f"| {k} | {x.get('sync', {}).get('syncs_per_step', '-')} | {x.get('sync', {}).get('error_mode', '-')[:60]} "
-                f"| {x.get('capture', x.get('error', '-'))[:80]} | {('yes' if rp.get('ok') else 'NO') if rp else '-'} |"
-            )
-        for k, x in fx.get("timing", {}).items():
-            lines.append(
-                f"\nfix {k}: eager wall/step {fmt(x.get('eager_wall_ms_per_step'), 3)} ms, graph replay wall/step {fmt(x.get('graph_wall_ms_per_step'), 3)} ms"
-            )
+    return cross
+
+
+def timing_rows(base, pat, lines: list[str]) -> None:
     lines.append(
         "\nPrefill step, batch of 8 continuation requests over 4096 cached tokens each (store + forward), ms:\n"
     )
@@ -148,12 +159,13 @@ def cudagraph(
             f"| {k} | {fmt(bw, 3)} | {fmt(pw, 3)} | {fmt(pw / bw if bw and pw else None, 2)} | {fmt(b.get('eager_gpu_ms_per_step'), 3)} "
             f"| {fmt(p.get('eager_gpu_ms_per_step'), 3)} | {fmt(p.get('graph_wall_ms_per_step'), 3)} | {b.get('sync', {}).get('syncs_per_step', '-')} |"
         )
-    return res
 
 
 def bench(
     work: Path, lines: list[str], pre: str = "bench", title: str = "Issue 3"
 ) -> dict:
+    """The continuation bench's tables: reserved memory, time per call,
+    kernel split, a proposed change (bench_f), the stand-in's check."""
     v = {x: load(work / f"{pre}_{x}.json") for x in "abc"}
     s = {x: load_pt(work / f"samples_{x}.pt") for x in "abc"}
     res: dict = {"variants": v, "rows": [], "targets": {}}
@@ -169,6 +181,29 @@ def bench(
         f"Ceilings measured in the run: copy {ceil['copy_bytes_per_s'] / 1e12:.2f} TB/s (read+write), "
         f"bf16 matmul {ceil['bf16_flops_per_s'] / 1e12:.0f} TFLOP/s. Shapes {anyv['shape']}."
     )
+    reserved_table(v, lines, res)
+    by = {
+        x: {
+            (r["preset"], r["mode"], r["cached"], r["q"]): r
+            for r in (v[x] or {}).get("runs", [])
+        }
+        for x in "abc"
+    }
+    time_table(by, s, lines, res)
+    split_table(v, lines)
+    f = load(work / "bench_f.json")
+    if f:
+        fix_table(f, load_pt(work / "samples_f.pt"), by, s, lines, res)
+    c = v["c"] or {}
+    if "shim_check" in c:
+        lines.append(
+            "\nFA2 stand-in vs the float64 reference (rel err of out, max abs err "
+            "of LSE): " + json.dumps(c["shim_check"])
+        )
+    return res
+
+
+def reserved_table(v: dict, lines: list[str], res: dict) -> None:
     lines.append("\nReserved continuation memory (bytes, MiB):\n")
     lines.append(
         "| max_model_len | (a) v0.20.2 per-layer buffers | (b) v0.21.0 + v0.24.0 reservation | (c) patched | (c)/(b) |"
@@ -194,13 +229,8 @@ def bench(
     )
     res["reserved"] = rsv
 
-    by = {
-        x: {
-            (r["preset"], r["mode"], r["cached"], r["q"]): r
-            for r in (v[x] or {}).get("runs", [])
-        }
-        for x in "abc"
-    }
+
+def time_table(by: dict, s: dict, lines: list[str], res: dict) -> None:
     keys = list(dict.fromkeys(k for x in "cba" for k in by[x]))
     lines.append(
         "\nTime per call (median, ms), measured/floor, extra peak memory during the call (MiB):\n"
@@ -211,51 +241,10 @@ def bench(
     lines.append("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     worst: dict = {}
     for k in keys:
-        rows = {x: by[x].get(k) for x in "abc"}
-        floor = next((r["floor"]["floor_ms"] for r in rows.values() if r), None)
-
-        def t(x):
-            r = rows[x]
-            if not r:
-                return None
-            return r.get("time", {}).get("median_ms")
-
-        def ts(x):
-            r = rows[x]
-            if not r:
-                return "-"
-            if "error" in r:
-                return "OOM" if r["error"].startswith("OOM") else "error"
-            return fmt(t(x), 3)
-
-        ratio = t("c") / t("b") if t("b") and t("c") else None
-        ekey = "/".join(map(str, k))
-        rcb = rel(
-            s["c"].get(ekey) if s["c"] else None, s["b"].get(ekey) if s["b"] else None
-        )
-        rca = rel(
-            s["c"].get(ekey) if s["c"] else None, s["a"].get(ekey) if s["a"] else None
-        )
-        prev = next(
-            (x for x in PREV.get("bench", {}).get("rows", []) if x["key"] == ekey), {}
-        )
-        rcb = rcb if rcb is not None else prev.get("rel_err_c_vs_b")
-        rca = rca if rca is not None else prev.get("rel_err_c_vs_a")
-        peaks = "/".join(
-            fmt(rows[x].get("peak_extra_bytes", 0) / MiB, 0)
-            if rows[x] and "peak_extra_bytes" in rows[x]
-            else "-"
-            for x in "abc"
-        )
-        lines.append(
-            f"| {k[0].replace('turboquant_', '')} | {k[1]} | {k[2]} | {k[3]} | {fmt(floor, 3)} | {ts('a')} | {ts('b')} | {ts('c')} | {fmt(ratio, 2)} "
-            f"| {fmt(t('a') / floor if t('a') and floor else None, 1)} | {fmt(t('b') / floor if t('b') and floor else None, 1)} | {fmt(t('c') / floor if t('c') and floor else None, 1)} "
-            f"| {peaks} | {fmt(rcb, 4) if rcb is not None else '-'} | {fmt(rca, 4) if rca is not None else '-'} |"
-        )
-        res["rows"].append({"key": ekey, "floor_ms": floor, "a_ms": t("a"), "b_ms": t("b"), "c_ms": t("c"),
-                            "c_over_b": ratio, "rel_err_c_vs_b": rcb, "rel_err_c_vs_a": rca})  # fmt: skip
-        if k[2] >= 32768 and ratio is not None:
-            worst[k[1]] = max(worst.get(k[1], 0.0), ratio)
+        row = time_row(k, {x: by[x].get(k) for x in "abc"}, s, lines)
+        res["rows"].append(row)
+        if k[2] >= 32768 and row["c_over_b"] is not None:
+            worst[k[1]] = max(worst.get(k[1], 0.0), row["c_over_b"])
     for mode, w in worst.items():
         res["targets"][f"time_c_le_1.10_b_32K_128K_{mode}"] = {
             "max_ratio": w,
@@ -263,83 +252,107 @@ def bench(
         }
     lines.append("\nTargets: " + json.dumps(res["targets"]))
 
-    splits = []
-    for x in "bc":
-        for r in (v[x] or {}).get("runs", []):
-            if "split" in r:
-                splits.append((x, r))
-    if splits:
-        lines.append("\nKernel time by category, one call (ms; torch.profiler):\n")
-        lines.append(
-            "| variant | mode | cached | q | dequant | attention | gemm | merge | copy | other |"
-        )
-        lines.append("|---|---|---|---|---|---|---|---|---|---|")
-        for x, r in splits:
-            c = r["split"]["ms_by_category"]
-            lines.append(
-                f"| {x} | {r['mode']} | {r['cached']} | {r['q']} | "
-                + " | ".join(
-                    fmt(c.get(n), 3)
-                    for n in ("dequant", "attention", "gemm", "merge", "copy", "other")
-                )
-                + " |"
-            )
-    f = load(work / "bench_f.json")
-    if f:
-        sf = load_pt(work / "samples_f.pt")
-        byf = {
-            (r["preset"], r["mode"], r["cached"], r["q"]): r for r in f.get("runs", [])
-        }
-        lines.append(
-            "\n(c') proposed fallback (ci/gpu/proposed/) vs (b), same run, mode sdpa (no vLLM flash-attn):\n"
-        )
-        lines.append(
-            "| preset | cached | q | (b) ms | (c) ms | (c') ms | (c')/(b) | (c')/floor | peak+ c' MiB | rel err c' vs b |"
-        )
-        lines.append("|---|---|---|---|---|---|---|---|---|---|")
-        wf = 0.0
-        res["fix"] = {"variant": f, "rows": []}
-        for k, r in byf.items():
 
-            def ms(x):
-                return (x or {}).get("time", {}).get("median_ms")
+def time_row(k: tuple, rows: dict, s: dict, lines: list[str]) -> dict:
+    """One shape's line of the time table, and its figures."""
+    floor = next((r["floor"]["floor_ms"] for r in rows.values() if r), None)
 
-            tb, tc, tf = ms(by["b"].get(k)), ms(by["c"].get(k)), ms(r)
-            ekey = "/".join(map(str, k))
-            e = rel(sf.get(ekey) if sf else None, s["b"].get(ekey) if s["b"] else None)
-            ratio = tf / tb if tf and tb else None
-            if k[2] >= 32768 and ratio:
-                wf = max(wf, ratio)
-            fl = r["floor"]["floor_ms"]
-            lines.append(
-                f"| {k[0].replace('turboquant_', '')} | {k[2]} | {k[3]} | {fmt(tb, 3)} | {fmt(tc, 3)} | {fmt(tf, 3)} | {fmt(ratio, 2)} "
-                f"| {fmt(tf / fl if tf else None, 1)} | {fmt(r.get('peak_extra_bytes', 0) / MiB, 0)} | {fmt(e, 4) if e is not None else '-'} |"
-            )
-            res["fix"]["rows"].append(
-                {
-                    "key": ekey,
-                    "b_ms": tb,
-                    "c_ms": tc,
-                    "fix_ms": tf,
-                    "fix_over_b": ratio,
-                    "rel_err_fix_vs_b": e,
-                }
-            )
-        res["targets"]["fix_time_le_1.10_b_32K_128K_sdpa"] = {
-            "max_ratio": wf,
-            "met": 0 < wf <= 1.10,
-        }
-        lines.append(
-            "\nFix target: "
-            + json.dumps(res["targets"]["fix_time_le_1.10_b_32K_128K_sdpa"])
+    def t(x):
+        return (rows[x] or {}).get("time", {}).get("median_ms")
+
+    def ts(x):
+        r = rows[x]
+        if not r:
+            return "-"
+        if "error" in r:
+            return "OOM" if r["error"].startswith("OOM") else "error"
+        return fmt(t(x), 3)
+
+    def per_floor(x):
+        return fmt(t(x) / floor if t(x) and floor else None, 1)
+
+    ratio = t("c") / t("b") if t("b") and t("c") else None
+    ekey = "/".join(map(str, k))
+    prev = next(
+        (x for x in PREV.get("bench", {}).get("rows", []) if x["key"] == ekey), {}
+    )
+    errs = {}
+    for x in "ba":
+        e = rel(
+            s["c"].get(ekey) if s["c"] else None, s[x].get(ekey) if s[x] else None
         )
-    c = v["c"] or {}
-    if "shim_check" in c:
+        errs[x] = e if e is not None else prev.get(f"rel_err_c_vs_{x}")
+    peaks = "/".join(
+        fmt(rows[x].get("peak_extra_bytes", 0) / MiB, 0)
+        if rows[x] and "peak_extra_bytes" in rows[x]
+        else "-"
+        for x in "abc"
+    )
+    err_cells = " | ".join(
+        fmt(errs[x], 4) if errs[x] is not None else "-" for x in "ba"
+    )
+    lines.append(
+        f"| {k[0].replace('turboquant_', '')} | {k[1]} | {k[2]} | {k[3]} | {fmt(floor, 3)} | {ts('a')} | {ts('b')} | {ts('c')} | {fmt(ratio, 2)} "
+        f"| {per_floor('a')} | {per_floor('b')} | {per_floor('c')} | {peaks} | {err_cells} |"
+    )
+    return {"key": ekey, "floor_ms": floor, "a_ms": t("a"), "b_ms": t("b"), "c_ms": t("c"),
+            "c_over_b": ratio, "rel_err_c_vs_b": errs["b"], "rel_err_c_vs_a": errs["a"]}  # fmt: skip
+
+
+def split_table(v: dict, lines: list[str]) -> None:
+    splits = [(x, r) for x in "bc" for r in (v[x] or {}).get("runs", []) if "split" in r]
+    if not splits:
+        return
+    lines.append("\nKernel time by category, one call (ms; torch.profiler):\n")
+    lines.append(
+        "| variant | mode | cached | q | dequant | attention | gemm | merge | copy | other |"
+    )
+    lines.append("|---|---|---|---|---|---|---|---|---|---|")
+    for x, r in splits:
+        c = r["split"]["ms_by_category"]
         lines.append(
-            "\nFA2 stand-in vs fp32 math (rel err of out, max abs err of LSE): "
-            + json.dumps(c["shim_check"])
+            f"| {x} | {r['mode']} | {r['cached']} | {r['q']} | "
+            + " | ".join(
+                fmt(c.get(n), 3)
+                for n in ("dequant", "attention", "gemm", "merge", "copy", "other")
+            )
+            + " |"
         )
-    return res
+
+
+def fix_table(f: dict, sf, by: dict, s: dict, lines: list[str], res: dict) -> None:
+    """A proposed change (ci/gpu/proposed/, run as variant f) against (b)."""
+    byf = {(r["preset"], r["mode"], r["cached"], r["q"]): r for r in f.get("runs", [])}
+    lines.append(
+        "\n(c') proposed fallback (ci/gpu/proposed/) vs (b), same run, mode sdpa (no vLLM flash-attn):\n"
+    )
+    lines.append(
+        "| preset | cached | q | (b) ms | (c) ms | (c') ms | (c')/(b) | (c')/floor | peak+ c' MiB | rel err c' vs b |"
+    )
+    lines.append("|---|---|---|---|---|---|---|---|---|---|")
+    wf = 0.0
+    res["fix"] = {"variant": f, "rows": []}
+
+    def ms(x):
+        return (x or {}).get("time", {}).get("median_ms")
+
+    for k, r in byf.items():
+        tb, tc, tf = ms(by["b"].get(k)), ms(by["c"].get(k)), ms(r)
+        ekey = "/".join(map(str, k))
+        e = rel(sf.get(ekey) if sf else None, s["b"].get(ekey) if s["b"] else None)
+        ratio = tf / tb if tf and tb else None
+        if k[2] >= 32768 and ratio:
+            wf = max(wf, ratio)
+        fl = r["floor"]["floor_ms"]
+        lines.append(
+            f"| {k[0].replace('turboquant_', '')} | {k[2]} | {k[3]} | {fmt(tb, 3)} | {fmt(tc, 3)} | {fmt(tf, 3)} | {fmt(ratio, 2)} "
+            f"| {fmt(tf / fl if tf else None, 1)} | {fmt(r.get('peak_extra_bytes', 0) / MiB, 0)} | {fmt(e, 4) if e is not None else '-'} |"
+        )
+        res["fix"]["rows"].append({"key": ekey, "b_ms": tb, "c_ms": tc, "fix_ms": tf,
+                                   "fix_over_b": ratio, "rel_err_fix_vs_b": e})  # fmt: skip
+    target = {"max_ratio": wf, "met": 0 < wf <= 1.10}
+    res["targets"]["fix_time_le_1.10_b_32K_128K_sdpa"] = target
+    lines.append("\nFix target: " + json.dumps(target))
 
 
 def tests(work: Path, lines: list[str]) -> dict:
