@@ -278,9 +278,7 @@ def time_row(k: tuple, rows: dict, s: dict, lines: list[str]) -> dict:
     )
     errs = {}
     for x in "ba":
-        e = rel(
-            s["c"].get(ekey) if s["c"] else None, s[x].get(ekey) if s[x] else None
-        )
+        e = rel(s["c"].get(ekey) if s["c"] else None, s[x].get(ekey) if s[x] else None)
         errs[x] = e if e is not None else prev.get(f"rel_err_c_vs_{x}")
     peaks = "/".join(
         fmt(rows[x].get("peak_extra_bytes", 0) / MiB, 0)
@@ -300,7 +298,9 @@ def time_row(k: tuple, rows: dict, s: dict, lines: list[str]) -> dict:
 
 
 def split_table(v: dict, lines: list[str]) -> None:
-    splits = [(x, r) for x in "bc" for r in (v[x] or {}).get("runs", []) if "split" in r]
+    splits = [
+        (x, r) for x in "bc" for r in (v[x] or {}).get("runs", []) if "split" in r
+    ]
     if not splits:
         return
     lines.append("\nKernel time by category, one call (ms; torch.profiler):\n")
