@@ -1,0 +1,685 @@
+"""Batches as vLLM's scheduler and model runner form them, run through a
+tree's TurboQuant backend, and the float64 reference every row must match.
+
+Built on ``tqharness`` (config, impl, builder, cache layout, metadata of the
+tree under test); shared by test_tq_host_metadata.py (hand-picked batches)
+and test_tq_batches.py (generated ones).
+
+A step is what the runner does: the scheduled tokens' K/V stored with the
+tree's store kernel (``do_kv_cache_update``), then ``forward`` on metadata
+from the tree's builder. The context of every request was stored by earlier
+steps, with the same kernel, into a cache of random bytes (a slot nobody
+wrote reads as garbage).
+
+API:
+
+``Shape`` / ``open_backend(tree, model_dir, shape, setattr)``
+    The test shapes, and a ``Backend``: the tree's TurboQuant module, a
+    real config and the KV cache spec of a real TurboQuant layer, with the
+    workspace manager made first, as the runner does. ``close_backend()``.
+``Backend.impl()`` / ``.layer(impl)`` / ``.builder()``
+    A bare impl, the layer state it reads (centroids), the builder.
+``Req(cached, q, prefix=None)``
+    A request: tokens already cached, tokens scheduled this step, and the
+    row and number of blocks it shares (a prefix-cache hit).
+``make_batch(backend, impl, layer, reqs, seed, optimistic=None, pad_tokens=0,
+pad_reqs=0)``
+    The batch's ``Batch``: cache, inputs, metadata as the runner passes it
+    (``optimistic``: async spec decode's host upper bound per row; padding
+    as the runner pads for CUDA graphs).
+``run_step(impl, layer, batch, meta)``
+    Cache update, then forward: the output rows.
+``capture_metadata(builder, batch, watch)`` / ``refill(bufs, batch)``
+    Metadata for a full-graph capture of the batch's shape (the runner's
+    dummy values), and what a replay changes: the device buffers' contents.
+``reference(batch, impl, layer)`` / ``row_paths(reqs, threshold)``
+    Each row's expected output in float64, over K/V read back from the
+    cache bytes by ``dequant`` (not with vLLM's kernels).
+``device_only(t)`` / ``plain(t)`` / ``watched(cam)`` / ``HostReadError``
+    The host-read detector: device tensors of the metadata that vLLM code
+    must not read on the host (a sync; a crash under graph capture).
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import tqharness as h
+
+HAS_CUDA = torch.cuda.is_available()
+DEVICE = torch.device("cuda" if HAS_CUDA else "cpu")
+
+# Queries in one continuation chunk above which TurboQuant leaves the decode
+# kernel for the dequant + attention path (_CONTINUATION_DECODE_THRESHOLD).
+THRESHOLD = 128
+
+
+@dataclass(frozen=True)
+class Shape:
+    """Small shapes: on CPU every Triton kernel runs in the interpreter."""
+
+    hq: int = 2
+    hk: int = 1
+    head: int = 32
+    block: int = 16
+    preset: str = "turboquant_4bit_nc"
+    dtype: torch.dtype = torch.float16
+    max_model_len: int = 512  # longer than any request; a capture's max_seq_len
+
+
+# --------------------------------------------------------------------------
+# Host-read detector
+# --------------------------------------------------------------------------
+
+
+class HostReadError(AssertionError):
+    """vLLM code read a device tensor of the attention metadata on the host."""
+
+
+_READS = frozenset(
+    {
+        "tolist",
+        "item",
+        "cpu",
+        "numpy",
+        "__bool__",
+        "__int__",
+        "__float__",
+        "__complex__",
+        "__index__",
+        "__array__",
+        "__repr__",
+        "__format__",
+        "equal",
+        "allclose",
+        "nonzero",
+        "argwhere",
+        "masked_select",
+        "unique",
+        "unique_consecutive",
+    }
+)
+_TORCH_DIR = str(Path(torch.__file__).resolve().parent) + os.sep
+_THIS_FILE = str(Path(__file__).resolve())
+_vllm_dir: str | None = None  # set by open_backend
+
+
+def _is_host_read(func: Any, args: tuple, kwargs: dict | None) -> bool:
+    name = getattr(func, "__name__", "")
+    if name in _READS:
+        return True
+    if name == "repeat_interleave":  # syncs unless output_size is given
+        return not (kwargs or {}).get("output_size")
+    if name == "to":
+        targets = [*args[1:], *(kwargs or {}).values()]
+        return any(
+            (isinstance(t, str) and t == "cpu")
+            or (HAS_CUDA and isinstance(t, torch.device) and t.type == "cpu")
+            for t in targets
+        )
+    return False
+
+
+def _caller() -> tuple[str, int]:
+    """File and line of the nearest caller outside torch and this module."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        filename = str(Path(frame.f_code.co_filename).resolve())
+        if not filename.startswith(_TORCH_DIR) and filename != _THIS_FILE:
+            return filename, frame.f_lineno
+        frame = frame.f_back
+    return "?", 0
+
+
+class DeviceOnly(torch.Tensor):
+    """A tensor standing for device memory: vLLM code must not read it."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if _is_host_read(func, args, kwargs):
+            filename, line = _caller()
+            if _vllm_dir is not None and filename.startswith(_vllm_dir):
+                rel = os.path.relpath(filename, str(Path(_vllm_dir).parent))
+                raise HostReadError(
+                    f"host read {getattr(func, '__name__', func)}() of a device "
+                    f"tensor of the attention metadata at {rel}:{line}"
+                )
+        return super().__torch_function__(func, types, args, kwargs)
+
+
+def device_only(t: torch.Tensor) -> torch.Tensor:
+    return t.as_subclass(DeviceOnly)
+
+
+def plain(t: torch.Tensor) -> torch.Tensor:
+    return t.as_subclass(torch.Tensor)
+
+
+def watched(cam: Any) -> Any:
+    """The same metadata with its device tensors wrapped by the detector."""
+    return h.cam_replace(
+        cam,
+        query_start_loc=device_only(cam.query_start_loc),
+        seq_lens=device_only(cam.seq_lens),
+        block_table_tensor=device_only(cam.block_table_tensor),
+        slot_mapping=device_only(cam.slot_mapping),
+    )
+
+
+# --------------------------------------------------------------------------
+# The backend under test
+# --------------------------------------------------------------------------
+
+
+@dataclass
+class Backend:
+    tq: Any  # the tree's turboquant_attn module
+    config: Any
+    spec: Any
+    layer_name: str
+    tree: Path
+    shape: Shape
+
+    def __repr__(self) -> str:  # keep hypothesis' failure reports short
+        return f"Backend({self.shape.preset})"
+
+    def _repr_pretty_(self, p: Any, cycle: bool) -> None:  # hypothesis' printer
+        p.text(repr(self))
+
+    def impl(self, tq: Any = None) -> Any:
+        s = self.shape
+        return h.tq_impl(self.config, s.hq, s.head, s.hk, s.preset, tq or self.tq)
+
+    def layer(self, impl: Any) -> torch.nn.Module:
+        return h.centroids_layer(impl, self.shape.head, DEVICE)
+
+    def builder(self, tq: Any = None) -> Any:
+        return h.tq_builder(
+            self.config, self.spec, [self.layer_name], DEVICE, tq or self.tq
+        )
+
+
+def open_backend(tree: Path, model_dir: Path, shape: Shape, setattr: Any) -> Backend:
+    """The tree's TurboQuant backend under a real config for a tiny model of
+    ``shape`` (``setattr``: a monkeypatch's, to undo the platform)."""
+    global _vllm_dir
+    h.install_platform(tree, setattr)
+    from vllm.v1.worker import workspace
+
+    tq = importlib.import_module(h.TQ_MODULE)
+    h.inspect_models_in_process()
+    h.write_tiny_model(
+        model_dir, num_heads=shape.hq, num_kv_heads=shape.hk, head_dim=shape.head
+    )
+    # A real config: the builder (v0.24.0+) and the impl (v0.28.0+) read the
+    # model, scheduler and attention configs.
+    config = h.make_vllm_config(
+        model_dir,
+        preset=shape.preset,
+        block_size=shape.block,
+        max_model_len=shape.max_model_len,
+        dtype=shape.dtype,
+    )
+    _vllm_dir = str((tree / "vllm").resolve()) + os.sep
+    # As the model runner does, the workspace manager exists before any
+    # attention layer is built: continuation prefill takes its dequant
+    # buffers from it in later releases (v0.21.0+) and with tq/0001.
+    workspace.init_workspace_manager(DEVICE)
+    attn = h.build_tq_attention(config, shape.hq, shape.head, shape.hk)
+    spec = h.runner_kv_cache_spec(attn, config)
+    assert h.is_turboquant_spec(spec) and spec.block_size == shape.block
+    return Backend(tq, config, spec, attn.layer_name, tree, shape)
+
+
+def close_backend() -> None:
+    global _vllm_dir
+    from vllm.v1.worker import workspace
+
+    workspace.reset_workspace_manager()
+    _vllm_dir = None
+
+
+# --------------------------------------------------------------------------
+# Batches
+# --------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Req:
+    cached: int  # tokens of the request already in the TQ cache
+    q: int  # tokens scheduled this step
+    # A prefix-cache hit: (row, n) when the first n blocks of this request's
+    # cached tokens are those of another row of the batch (the same physical
+    # blocks, the same tokens).
+    prefix: tuple[int, int] | None = None
+
+    @property
+    def seq(self) -> int:
+        return self.cached + self.q
+
+    def shared(self, block: int) -> int:
+        """Cached tokens this request shares with its prefix row."""
+        return 0 if self.prefix is None else self.prefix[1] * block
+
+    def __repr__(self) -> str:
+        hit = "" if self.prefix is None else f", prefix={self.prefix}"
+        return f"Req({self.cached}, {self.q}{hit})"
+
+
+@dataclass
+class Batch:
+    reqs: list[Req]
+    query: torch.Tensor  # (N, hq * head), N with the padding tokens
+    key: torch.Tensor  # (N, hk * head)
+    value: torch.Tensor
+    kv_cache: torch.Tensor  # as the runner hands it to the layer
+    kv_slots: torch.Tensor  # the same bytes, (blocks, block, hk, slot)
+    slot_mapping: torch.Tensor  # -1 for padding tokens
+    k_raw: list[torch.Tensor]  # per request (seq, hk, head): all its keys
+    v_raw: list[torch.Tensor]
+    slots: list[torch.Tensor]  # per request (seq,): cache slot of each token
+    cam: Any  # CommonAttentionMetadata as the runner passes it
+    num_tokens: int  # real tokens (N without padding)
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def check_reqs(reqs: list[Req], block: int) -> None:
+    """What the scheduler guarantees: decodes (one query) first; a prefix
+    hit shares whole blocks that its prefix row has cached."""
+    for i, r in enumerate(reqs):
+        assert r.q >= 1 and r.cached >= 0, r
+        if r.q == 1 and i:
+            assert reqs[i - 1].q == 1, f"decodes first: {reqs}"
+        if r.prefix is not None:
+            p = reqs[r.prefix[0]]
+            assert r.prefix[0] != i and p.prefix is None, f"{r}: prefix row {p}"
+            assert 0 < r.shared(block) <= min(r.cached, p.cached), f"{r}, {p}"
+
+
+def _block_tables(
+    reqs: list[Req], block: int, g: torch.Generator
+) -> tuple[torch.Tensor, int]:
+    """Each request's blocks at random physical ids (a prefix hit's first
+    ones are its prefix row's), and the number of blocks in the cache."""
+    need = [_cdiv(r.seq, block) for r in reqs]
+    num_blocks = sum(n - r.shared(block) // block for n, r in zip(need, reqs)) + 2
+    ids = torch.randperm(num_blocks, generator=g).tolist()
+    table = torch.zeros(len(reqs), max(need), dtype=torch.int32)
+    for i in sorted(range(len(reqs)), key=lambda i: reqs[i].prefix is not None):
+        r, shared = reqs[i], reqs[i].shared(block) // block
+        if r.prefix is not None:
+            table[i, :shared] = table[r.prefix[0], :shared]
+        table[i, shared : need[i]] = torch.tensor(
+            [ids.pop() for _ in range(need[i] - shared)], dtype=torch.int32
+        )
+    return table, num_blocks
+
+
+def _kv(reqs: list[Req], shape: Shape, g: torch.Generator) -> tuple[list, list]:
+    """Every request's raw K and V (a prefix hit's shared tokens are its
+    prefix row's)."""
+    k_raw, v_raw = [], []
+    for r in reqs:
+        k_raw.append(torch.randn(r.seq, shape.hk, shape.head, generator=g))
+        v_raw.append(torch.randn(r.seq, shape.hk, shape.head, generator=g))
+    for r, k, v in zip(reqs, k_raw, v_raw):
+        n = r.shared(shape.block)
+        if n:
+            k[:n] = k_raw[r.prefix[0]][:n]
+            v[:n] = v_raw[r.prefix[0]][:n]
+    return [k.to(shape.dtype) for k in k_raw], [v.to(shape.dtype) for v in v_raw]
+
+
+def write_context(
+    kv_slots: torch.Tensor, slots: torch.Tensor, cfg: Any, g: torch.Generator
+) -> None:
+    """Cached tokens as a store leaves them, written straight into their
+    slots: random indices, and key norms, value scales and zeros in the
+    range the store kernel gives N(0, 1) inputs (in Triton's interpreter
+    the store kernel is the dearest part of a long context)."""
+    assert not cfg.key_fp8, "MSE-key presets"
+    hk, width = kv_slots.shape[2:]
+    n, head, vbits = slots.numel(), cfg.head_dim, cfg.effective_value_quant_bits
+    if not n:
+        return
+    data = torch.randint(0, 256, (n, hk, width), dtype=torch.uint8, generator=g)
+
+    def put(offset: int, values: torch.Tensor) -> None:
+        fp16 = values.to(torch.float16).view(torch.uint8).reshape(n, hk, 2)
+        data[..., offset : offset + 2] = fp16
+
+    put(cfg.key_packed_size - 2, head**0.5 * (0.75 + torch.rand(n, hk, generator=g)))
+    levels = 2**vbits - 1
+    scale = (4 + 2 * torch.rand(n, hk, generator=g)) / levels
+    val_bytes = math.ceil(head * vbits / 8)
+    put(cfg.key_packed_size + val_bytes, scale)
+    put(cfg.key_packed_size + val_bytes + 2, -scale * levels / 2)
+    block = kv_slots.shape[1]
+    kv_slots[slots // block, slots % block] = data.to(kv_slots.device)
+
+
+def _store_context(impl, layer, reqs, block, kv_cache, k_raw, v_raw, slots) -> None:
+    """Earlier steps stored each request's cached tokens (a prefix hit's
+    shared blocks once, by the row that computed them)."""
+    own = [(i, r.shared(block), r.cached) for i, r in enumerate(reqs)]
+    own = [(i, a, b) for i, a, b in own if b > a]
+    if own:
+        impl.do_kv_cache_update(
+            layer,
+            torch.cat([k_raw[i][a:b] for i, a, b in own]).to(DEVICE),
+            torch.cat([v_raw[i][a:b] for i, a, b in own]).to(DEVICE),
+            kv_cache,
+            torch.cat([slots[i][a:b] for i, a, b in own]).to(DEVICE),
+        )
+
+
+def _step_inputs(reqs, k_raw, v_raw, slots, pad_tokens, shape, g):
+    """The step's query, key, value and slot mapping (padding tokens: random
+    inputs, slot -1)."""
+    width = shape.hk * shape.head
+    n = sum(r.q for r in reqs)
+    key = torch.cat([k[r.cached :].reshape(r.q, width) for k, r in zip(k_raw, reqs)])
+    value = torch.cat([v[r.cached :].reshape(r.q, width) for v, r in zip(v_raw, reqs)])
+    slot_mapping = torch.cat([sl[r.cached :] for sl, r in zip(slots, reqs)])
+    query = torch.randn(n + pad_tokens, shape.hq * shape.head, generator=g)
+    pad_kv = torch.randn(2, pad_tokens, width, generator=g).to(shape.dtype)
+    return (
+        query.to(shape.dtype),
+        torch.cat([key, pad_kv[0]]),
+        torch.cat([value, pad_kv[1]]),
+        torch.cat([slot_mapping, torch.full((pad_tokens,), -1)]),
+    )
+
+
+def make_batch(
+    backend: Backend,
+    impl: Any,
+    layer: torch.nn.Module,
+    reqs: list[Req],
+    seed: int,
+    optimistic: dict[int, int] | None = None,
+    pad_tokens: int = 0,
+    pad_reqs: int = 0,
+    store_context: bool = True,
+) -> Batch:
+    """A batch with its context already stored in a fresh TQ cache (by the
+    tree's store kernel, or with ``store_context=False`` by ``write_context``).
+
+    ``optimistic`` maps a row to drafts the CPU assumes accepted but the
+    device knows were rejected (async spec decode): the host upper bound of
+    seq_lens exceeds the device value there. Padding as the runner pads for
+    CUDA graphs: ``pad_tokens`` more tokens (random inputs, slot -1) reach
+    the cache update in every graph mode; for a FULL graph the attention
+    metadata is padded too: ``pad_reqs`` rows with no query, no context and
+    the null block, and the padding tokens counted as actual ones.
+    """
+    s = backend.shape
+    check_reqs(reqs, s.block)
+    g = torch.Generator().manual_seed(seed)
+    table, num_blocks = _block_tables(reqs, s.block, g)
+    cache = h.new_tq_kv_cache(
+        num_blocks, s.block, s.hk, s.head, s.preset, generator=g, device=DEVICE
+    )
+    slots = []
+    for i, r in enumerate(reqs):
+        pos = torch.arange(r.seq)
+        slots.append(table[i, pos // s.block].long() * s.block + pos % s.block)
+    k_raw, v_raw = _kv(reqs, s, g)
+    if store_context:
+        _store_context(impl, layer, reqs, s.block, cache.runner, k_raw, v_raw, slots)
+    else:
+        context = [sl[r.shared(s.block) : r.cached] for sl, r in zip(slots, reqs)]
+        write_context(cache.slots, torch.cat(context), impl.tq_config, g)
+    query, key, value, slot_mapping = _step_inputs(
+        reqs, k_raw, v_raw, slots, pad_tokens, s, g
+    )
+    table = torch.cat([table, torch.zeros(pad_reqs, table.shape[1], dtype=table.dtype)])
+    cam = _cam(reqs, optimistic or {}, (pad_tokens, pad_reqs), table, slot_mapping)
+    return Batch(
+        reqs,
+        query.to(DEVICE),
+        key.to(DEVICE),
+        value.to(DEVICE),
+        cache.runner,
+        cache.slots,
+        slot_mapping.to(DEVICE),
+        k_raw,
+        v_raw,
+        slots,
+        cam,
+        sum(r.q for r in reqs),
+    )
+
+
+def _cam(reqs, optimistic, pad, table, slot_mapping) -> Any:
+    """CommonAttentionMetadata as the runner builds it: query_start_loc
+    padded non-decreasing, padding rows' seq_lens 0, ``num_actual_tokens``
+    with the padding tokens when rows are padded, ``max_seq_len`` from the
+    host upper bound."""
+    pad_tokens, pad_reqs = pad
+    qlens = [r.q for r in reqs] + [0] * pad_reqs
+    qsl = torch.zeros(len(qlens) + 1, dtype=torch.int32)
+    qsl[1:] = torch.cumsum(torch.tensor(qlens), 0)
+    seq_lens = torch.tensor([r.seq for r in reqs] + [0] * pad_reqs, dtype=torch.int32)
+    upper = seq_lens.clone()
+    for i, extra in optimistic.items():
+        upper[i] += extra
+    return h.common_attn_metadata(
+        query_start_loc=qsl.to(DEVICE, copy=True),
+        query_start_loc_cpu=qsl,
+        seq_lens=seq_lens.to(DEVICE, copy=True),
+        num_reqs=len(qlens),
+        num_actual_tokens=int(qsl[-1]) + (pad_tokens if pad_reqs else 0),
+        max_query_len=max(qlens),
+        max_seq_len=int(upper.max()),
+        block_table_tensor=table.to(DEVICE),
+        slot_mapping=slot_mapping.to(DEVICE, torch.int64),
+        # As the runner (up to v0.29.0, which has the field): no exact CPU
+        # seq_lens under async spec decode.
+        _seq_lens_cpu=None if optimistic else seq_lens,
+        seq_lens_cpu_upper_bound=upper,
+    )
+
+
+def capture_metadata(
+    builder: Any, batch: Batch, watch: bool = False
+) -> tuple[Any, Any]:
+    """Metadata for capturing a full graph of ``batch``'s shape, built from
+    what the runner's _dummy_run passes, and the CommonAttentionMetadata
+    holding the device buffers that a replay refills in place.
+
+    As in _dummy_run: a uniform batch of the graph's size, padding rows
+    included: each row's query is the batch's max_query_len and its seq_len
+    its q_len (host and device), max_seq_len is max_model_len, the block
+    table holds the null block and the slots are -1 (no cache write).
+    """
+    cam = batch.cam
+    num_reqs, q_len = cam.query_start_loc_cpu.shape[0] - 1, cam.max_query_len
+    dummy = torch.full((num_reqs,), q_len, dtype=torch.int32)
+    qsl = torch.arange(num_reqs + 1, dtype=torch.int32) * q_len
+    bufs = h.cam_replace(
+        cam,
+        query_start_loc=qsl.to(DEVICE),
+        query_start_loc_cpu=qsl,
+        num_actual_tokens=num_reqs * q_len,
+        seq_lens=dummy.to(DEVICE, copy=True),
+        block_table_tensor=torch.zeros_like(cam.block_table_tensor),
+        slot_mapping=torch.full_like(cam.slot_mapping, -1),
+        _seq_lens_cpu=dummy,
+        seq_lens_cpu_upper_bound=dummy,
+        max_seq_len=builder.vllm_config.model_config.max_model_len,
+    )
+    return builder.build_for_cudagraph_capture(watched(bufs) if watch else bufs), bufs
+
+
+def refill(bufs: Any, batch: Batch) -> None:
+    """What a replay changes: the contents of the device buffers."""
+    for name in ("query_start_loc", "seq_lens", "block_table_tensor", "slot_mapping"):
+        plain(getattr(bufs, name)).copy_(plain(getattr(batch.cam, name)))
+
+
+def run_step(
+    impl: Any, layer: torch.nn.Module, batch: Batch, meta: Any
+) -> torch.Tensor:
+    """One attention step as the runner does it: cache update, then forward;
+    the output rows of the real tokens."""
+    n = batch.query.shape[0]
+    impl.do_kv_cache_update(
+        layer, batch.key, batch.value, batch.kv_cache, meta.slot_mapping[:n]
+    )
+    output = batch.query.new_empty(n, impl.num_heads * impl.head_size)
+    impl.forward(
+        layer, batch.query, batch.key, batch.value, batch.kv_cache, meta, output=output
+    )
+    return plain(output)[: batch.num_tokens]
+
+
+# --------------------------------------------------------------------------
+# Independent float64 reference
+# --------------------------------------------------------------------------
+
+
+def _hadamard(d: int) -> torch.Tensor:
+    m = torch.ones(1, 1, dtype=torch.float64)
+    while m.shape[0] < d:
+        m = torch.cat([torch.cat([m, m], 1), torch.cat([m, -m], 1)], 0)
+    return m / math.sqrt(d)
+
+
+def _f16(b: torch.Tensor) -> torch.Tensor:
+    """Little-endian fp16 from the last dim (2 bytes) of a uint8 tensor."""
+    return b.contiguous().view(torch.float16).squeeze(-1).double()
+
+
+def _unpack(b: torch.Tensor, base: int, bits: int, head: int) -> torch.Tensor:
+    """``head`` little-endian ``bits``-bit indices packed from byte ``base``."""
+    off = torch.arange(head) * bits
+    word = b[..., base + off // 8] | (b[..., base + off // 8 + 1] << 8)
+    return (word >> (off % 8)) & ((1 << bits) - 1)
+
+
+def dequant(
+    kv_slots: torch.Tensor, slots: torch.Tensor, cfg: Any, centroids: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V (len, hk, head) float64 from the TQ slot bytes, in PyTorch.
+
+    Slot layout (per head and position): [MSE key indices | key norm fp16 |
+    value indices | value scale fp16 | value zero fp16], keys in the
+    Hadamard-rotated basis.
+    """
+    hk, head = kv_slots.shape[2], cfg.head_dim
+    raw = plain(kv_slots).cpu().reshape(-1, hk, kv_slots.shape[-1])[slots.cpu()]
+    b = raw.to(torch.int64)
+    assert not cfg.key_fp8, "reference covers MSE-key presets"
+    bits = cfg.key_mse_bits
+    mse_bytes = math.ceil(head * bits / 8)
+    c = centroids.double().cpu()[_unpack(b, 0, bits, head)]
+    if cfg.norm_correction:
+        c = c / torch.sqrt((c * c).sum(-1, keepdim=True) + 1e-16)
+    k = _f16(raw[..., mse_bytes : mse_bytes + 2]).unsqueeze(-1) * c
+    k = k @ _hadamard(head)  # back from the rotated basis (H = H^T = H^-1)
+
+    vb = cfg.key_packed_size
+    vbits = cfg.effective_value_quant_bits
+    val_bytes = math.ceil(head * vbits / 8)
+    vidx = _unpack(b, vb, vbits, head).double()
+    scale = _f16(raw[..., vb + val_bytes : vb + val_bytes + 2]).unsqueeze(-1)
+    zero = _f16(raw[..., vb + val_bytes + 2 : vb + val_bytes + 4]).unsqueeze(-1)
+    return k, vidx * scale + zero
+
+
+def threshold(impl: Any) -> int:
+    """The continuation threshold of the impl's module (a test may lower
+    it to keep Triton's interpreter affordable)."""
+    module = sys.modules[type(impl).__module__]
+    return getattr(module, "_CONTINUATION_DECODE_THRESHOLD", THRESHOLD)
+
+
+def row_paths(reqs: list[Req], threshold: int = THRESHOLD) -> list[str]:
+    """What each row's own new tokens are read as, as TurboQuant defines it:
+    ``cache`` (decodes and continuation chunks of at most ``threshold``
+    queries go through the decode kernel, after their tokens were stored) or
+    ``raw`` (first chunks, and larger continuation chunks: the cached
+    context dequantized, the chunk's own K/V as computed). Only (cached, q)
+    decide: never the rest of the batch."""
+    return [
+        "raw" if r.q > 1 and (r.cached == 0 or r.q > threshold) else "cache"
+        for r in reqs
+    ]
+
+
+def attend(q, k, v, first_pos: int, scale: float) -> torch.Tensor:
+    """Causal attention in float64: queries at positions first_pos, ...;
+    q (n, hq, d), k/v (len, hk, d) with GQA."""
+    group = q.shape[1] // k.shape[1]
+    kk = k.repeat_interleave(group, dim=1)
+    vv = v.repeat_interleave(group, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", q, kk) * scale
+    pos_q = torch.arange(q.shape[0]).unsqueeze(1) + first_pos
+    mask = torch.arange(k.shape[0]).unsqueeze(0) <= pos_q
+    scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.einsum("hqk,khd->qhd", scores.softmax(-1), vv)
+
+
+def row_kv(batch: Batch, i: int, impl: Any, layer: torch.nn.Module, path: str):
+    """K/V (seq, hk, head) float64 that row ``i`` must attend to: the cache
+    as it holds them after the step's store, the row's own new tokens raw
+    on the ``raw`` path."""
+    r = batch.reqs[i]
+    centroids = plain(layer._tq_centroids)
+    k, v = dequant(batch.kv_slots, batch.slots[i], impl.tq_config, centroids)
+    if path == "raw":
+        k[r.cached :] = batch.k_raw[i][r.cached :].double()
+        v[r.cached :] = batch.v_raw[i][r.cached :].double()
+    return k, v
+
+
+def reference(batch: Batch, impl: Any, layer: torch.nn.Module) -> list[torch.Tensor]:
+    """Each request's expected output rows (q, hq * head), float64."""
+    head = impl.head_size
+    q_all = plain(batch.query).cpu().double().reshape(-1, impl.num_heads, head)
+    out, start = [], 0
+    paths = row_paths(batch.reqs, threshold(impl))
+    for i, (r, path) in enumerate(zip(batch.reqs, paths)):
+        k, v = row_kv(batch, i, impl, layer, path)
+        q = q_all[start : start + r.q]
+        start += r.q
+        out.append(attend(q, k, v, r.cached, impl.scale).reshape(r.q, -1))
+    return out
+
+
+def rows(out: torch.Tensor, reqs: list[Req]) -> list[torch.Tensor]:
+    """The output split into each request's rows (float64, on CPU)."""
+    got = plain(out).cpu().double()
+    return list(torch.split(got[: sum(r.q for r in reqs)], [r.q for r in reqs]))
+
+
+# Largest |out - reference| of a row, for outputs rounded to fp16: TurboQuant
+# computes in fp32 from the very bytes the reference reads back (so the
+# quantizer's own error is not part of it), and rounds the output, and on
+# the first-chunk path its scores, to fp16 (relative 2^-11); |out| <= max|V|,
+# a few units for the tests' N(0, 1) inputs. Measured: at most 6e-3 over
+# the differential test's long mode (test_tq_batches.py).
+TOLERANCE = 2e-2
+
+
+def assert_matches_reference(
+    got: torch.Tensor, batch: Batch, impl: Any, layer: torch.nn.Module
+) -> None:
+    """Every row within TOLERANCE of the reference (for hand-picked batches;
+    the differential test reports per request)."""
+    want = torch.cat(reference(batch, impl, layer))
+    got64 = plain(got).cpu().double()[: want.shape[0]]
+    err = (got64 - want).abs().max().item()
+    assert torch.isfinite(got64).all()
+    assert err < TOLERANCE, f"max |out - ref| = {err:.3g}"
