@@ -1,4 +1,5 @@
-"""Targeted tests of tq/0003: TurboQuant KV cache on hybrid models.
+"""Targeted tests of tq/0003 and tq-v0.33/0004: TurboQuant KV cache on hybrid
+models.
 
 v0.20.2's ``EngineArgs.create_engine_config`` refuses ``turboquant_*`` KV
 cache dtypes for every hybrid (attention + Mamba / linear-attention) model,
@@ -52,6 +53,14 @@ full-attention layer finder, private upstream from v0.21.0). v0.20.x has the
 bug everywhere: tests that need a hybrid TurboQuant engine config carry the
 gate's signature. Upstream #39931 (v0.21.0) lifted the gate and sizes the
 hybrid page from TurboQuant's slot, as tq/0003 does.
+
+v0.28.0-v0.33.0 have the bug of tq-v0.33/0004 (``SKIP_PADDED``): with
+skip layers on a hybrid, a block-size step after the hybrid planning prices
+TurboQuant through the first attention layer's backend and leaves
+full-attention skip pages the largest, so every page is padded up to them
+(v0.28.0 cannot pad TurboQuant pages and fails instead: ``SKIP_UNPADDABLE``).
+``page_plan``, ``tokens_that_fit`` and ``capacity`` are also what
+``ci/kv_capacity.py`` prints.
 """
 
 from __future__ import annotations
@@ -71,7 +80,7 @@ from typing import Any
 import pytest
 import torch
 import tqharness as h
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 TQ_PRESETS = (
@@ -209,12 +218,12 @@ def restore_environ():
     os.environ.update(saved)
 
 
-@pytest.fixture
-def engine_env(cpu_platform, restore_environ, monkeypatch, tmp_path_factory):
-    """Lets ``EngineArgs.create_engine_config`` run on a CPU-only host."""
+def use_engine_env(monkeypatch, cache_root: Path) -> None:
+    """Lets ``EngineArgs.create_engine_config`` run on a CPU-only host (the
+    module docstring says what and why); ``monkeypatch`` undoes it."""
     import vllm.model_executor.models.registry as registry
 
-    monkeypatch.setenv("VLLM_CACHE_ROOT", str(tmp_path_factory.mktemp("vllm")))
+    monkeypatch.setenv("VLLM_CACHE_ROOT", str(cache_root))
     monkeypatch.setattr(registry, "_run_in_subprocess", lambda fn: fn())
     monkeypatch.setitem(
         registry.ModelRegistry.models,
@@ -224,6 +233,12 @@ def engine_env(cpu_platform, restore_environ, monkeypatch, tmp_path_factory):
             class_name="Qwen3NextForCausalLM",
         ),
     )
+
+
+@pytest.fixture
+def engine_env(cpu_platform, restore_environ, monkeypatch, tmp_path_factory):
+    """Lets ``EngineArgs.create_engine_config`` run on a CPU-only host."""
+    use_engine_env(monkeypatch, tmp_path_factory.mktemp("vllm"))
     return cpu_platform
 
 
@@ -246,11 +261,17 @@ class _StandInModule(types.ModuleType):
         return type(name, (), {})
 
 
-@pytest.fixture
-def kv_cache_utils(monkeypatch):
+def stand_in_optional_modules(monkeypatch) -> None:
+    """Empty stand-ins for the structured-output backends where missing
+    (module docstring)."""
     for name in ("llguidance", "xgrammar"):
         if name not in sys.modules and importlib.util.find_spec(name) is None:
             monkeypatch.setitem(sys.modules, name, _StandInModule(name))
+
+
+@pytest.fixture
+def kv_cache_utils(monkeypatch):
+    stand_in_optional_modules(monkeypatch)
     import vllm.v1.core.kv_cache_utils as kv_cache_utils
 
     return kv_cache_utils
@@ -397,9 +418,9 @@ def check_kv_cache_specs(
     assert by_kind["tq"] == tq_layers
     assert by_kind["native"] == native_layers
     groups = grouped(vllm_config, specs, raise_grouping_errors)
-    page = shared_page(groups, specs, tq_token, native_token)
-    # That page is the Mamba state page, padded to block_size times the
-    # per-token unit, and every layer's own page divides it.
+    page = shared_page(vllm_config, groups, specs, backends, tq_token, native_token)
+    # That page is the Mamba state page, padded, and every layer's own page
+    # divides it.
     mamba_pages = {
         specs[f"model.layers.{i}.mixer"].page_size_bytes for i in by_kind["mamba"]
     }
@@ -409,8 +430,9 @@ def check_kv_cache_specs(
     )
     # Padded unless the state happens to fill whole attention pages already.
     assert vllm_config.cache_config.mamba_page_size_padded in (None, page)
-    unit = math.lcm(tq_token, native_token) if native_layers else tq_token
-    assert page == vllm_config.cache_config.block_size * unit
+    if not native_layers:
+        # Without skip layers: block_size TurboQuant tokens.
+        assert page == vllm_config.cache_config.block_size * tq_token
     for spec in specs.values():
         assert page % spec.page_size_bytes == 0
     check_runner_fits(vllm_config, groups, specs, backends, page)
@@ -428,7 +450,8 @@ def build_and_check_kv_cache_specs(
 
 def layer_kinds(specs: dict, tq_token: int, native_token: int) -> dict:
     """Layer indices by kind (TurboQuant, native attention, Mamba), each
-    attention page holding its layout's bytes per token."""
+    attention page holding its layout's bytes per token (TurboQuant pages
+    unpadded; a native page may be padded, see ``shared_page``)."""
     from vllm.v1.kv_cache_interface import AttentionSpec, MambaSpec
 
     by_kind: dict[str, list[int]] = {"tq": [], "native": [], "mamba": []}
@@ -439,7 +462,7 @@ def layer_kinds(specs: dict, tq_token: int, native_token: int) -> dict:
             assert spec.page_size_bytes == spec.block_size * tq_token
         elif isinstance(spec, AttentionSpec):
             by_kind["native"].append(index)
-            assert spec.page_size_bytes == spec.block_size * native_token
+            assert spec.real_page_size_bytes == spec.block_size * native_token
         else:
             assert isinstance(spec, MambaSpec)
             by_kind["mamba"].append(index)
@@ -459,13 +482,39 @@ def grouped(vllm_config: Any, specs: dict, raise_errors: bool) -> list[Any]:
         pytest.fail(f"KV cache grouping fails: {type(e).__name__} at {where}: {e}")
 
 
-def shared_page(groups: list, specs: dict, tq_token: int, native_token: int) -> int:
+def smallest_kernel_block(vllm_config: Any, backends: Any) -> int:
+    """The smallest kernel block size every one of these backends takes."""
+    from vllm.config import set_current_vllm_config
+    from vllm.v1.attention.backend import MultipleOf
+
+    with set_current_vllm_config(vllm_config):
+        return math.lcm(
+            *(
+                min(
+                    size.base if isinstance(size, MultipleOf) else size
+                    for size in backend.get_supported_kernel_block_sizes()
+                )
+                for backend in backends
+            )
+        )
+
+
+def shared_page(
+    vllm_config: Any,
+    groups: list,
+    specs: dict,
+    backends: dict,
+    tq_token: int,
+    native_token: int,
+) -> int:
     """The one physical page size the KV cache manager gives all groups (it
     raises when a layer's page does not divide the largest one).
 
-    Each attention group keeps its own layout's bytes per token (the packed
-    TurboQuant slot, or native K|V): padding TurboQuant pages up to another
-    kind's gives back what it saves. Only Mamba state pages are padded."""
+    TurboQuant groups hold exactly their packed bytes per token: padding
+    their pages up to another kind's gives back what they save. Native
+    (skip) groups hold their layout's bytes per token, their pages padded by
+    less than one more kernel block (as v0.33.0 pads sliding-window skip
+    layers up to the shared page). Mamba pages are padded."""
     from vllm.v1.kv_cache_interface import AttentionSpec
 
     pages = {g.kv_cache_spec.page_size_bytes for g in groups}
@@ -476,13 +525,23 @@ def shared_page(groups: list, specs: dict, tq_token: int, native_token: int) -> 
             continue
         kinds = {h.is_turboquant_spec(specs[name]) for name in group.layer_names}
         assert len(kinds) == 1
-        own = tq_token if kinds == {True} else native_token
-        per_token = spec.page_size_bytes / spec.block_size
+        tq = kinds == {True}
+        own = tq_token if tq else native_token
+        held = spec.page_size_bytes if tq else spec.real_page_size_bytes
+        per_token = held / spec.block_size
         assert per_token == own, (
-            f"{'TurboQuant' if kinds == {True} else 'native'} attention layers "
+            f"{'TurboQuant' if tq else 'native'} attention layers "
             f"{group.layer_names} get {per_token:g} bytes per token, their "
             f"layout needs {own} (TurboQuant {tq_token}, native {native_token}): "
             "pages padded to another kind's size"
+        )
+        kernel = smallest_kernel_block(
+            vllm_config, {backends[name] for name in group.layer_names}
+        )
+        assert spec.page_size_bytes < (spec.block_size + kernel) * own, (
+            f"{group.layer_names}: a {spec.page_size_bytes} B page for "
+            f"{spec.block_size} tokens of {own} B: padded by a kernel block "
+            f"({kernel} tokens) or more"
         )
     return pages.pop()
 
@@ -501,10 +560,13 @@ def check_runner_fits(
             if isinstance(group.kv_cache_spec, AttentionSpec):
                 group_backends = {backends[name] for name in group.layer_names}
                 # Raises if no kernel block size of the backends divides the
-                # group's block size.
-                select_common_block_size(
-                    group.kv_cache_spec.block_size, list(group_backends)
-                )
+                # group's block size: a plan the runner cannot run.
+                try:
+                    select_common_block_size(
+                        group.kv_cache_spec.block_size, list(group_backends)
+                    )
+                except ValueError as e:
+                    pytest.fail(f"{group.layer_names}: no kernel block size: {e}")
     (kv_cache_config,) = h.kv_cache_configs(vllm_config, [specs], [4 * 2**30])
     num_blocks = kv_cache_config.num_blocks
     assert num_blocks > 0
@@ -598,6 +660,26 @@ def test_dense_skip_layers_unchanged(engine_env, tmp_path, num_layers, user_skip
     skips = vllm_config.cache_config.kv_cache_dtype_skip_layers
     assert sorted(skips, key=int) == expected and len(set(skips)) == len(skips)
     assert not vllm_config.model_config.is_hybrid
+
+
+@pytest.mark.parametrize("preset", ["turboquant_k8v4", "turboquant_4bit_nc"])
+def test_dense_skip_layers_one_group(
+    engine_env, kv_cache_utils, monkeypatch, tmp_path, preset
+):
+    """A dense model's TurboQuant and skip (boundary) layers stay in one KV
+    cache group, each page its own layout's size, none padded: only hybrids
+    need one page size across groups."""
+    vllm_config = engine_config(llama(), tmp_path, kv_cache_dtype=preset)
+    specs, _ = build_dense_kv_cache_specs(vllm_config, monkeypatch)
+    assert len(grouped(vllm_config, specs, raise_errors=False)) == 1
+    model_config = vllm_config.model_config
+    num_kv_heads = model_config.get_num_kv_heads(vllm_config.parallel_config)
+    head_size = model_config.get_head_size()
+    tq_token = num_kv_heads * tq_slot_bytes(preset, head_size)
+    native_token = num_kv_heads * 2 * head_size * model_config.dtype.itemsize
+    for name, spec in specs.items():
+        own = tq_token if h.is_turboquant_spec(spec) else native_token
+        assert spec.page_size_bytes == spec.block_size * own, name
 
 
 @pytest.mark.parametrize(
@@ -700,22 +782,197 @@ def test_hybrid_page_size_unifies_with_mamba(
     )
 
 
-@pytest.mark.parametrize("preset", TQ_PRESETS)
-def test_hybrid_page_size_unifies_with_skip_layers(
-    engine_env, kv_cache_utils, monkeypatch, tmp_path, preset
+# --------------------------------------------------------------------------
+# Regression (tq-v0.33/0004): skip layers on a hybrid
+# --------------------------------------------------------------------------
+
+# v0.33.0 prices the TurboQuant layers through the first attention layer's
+# backend and bumps the block size for the skip layers after the hybrid page
+# is planned; full-attention skip pages then outgrow it, and every page is
+# padded up to theirs: less KV cache room than bf16.
+SKIP_PADDED = r"^hybrid KV cache plan: TurboQuant layers get \d+ B/token"
+# The same on v0.28.0, where TurboQuant pages cannot be padded: the KV cache
+# config fails.
+SKIP_UNPADDABLE = (
+    r"^Layer \S+: page size is not divisible by the maximum page size and "
+    r"cannot be padded"
+)
+CAPACITY_BUDGET = 4 * 2**30  # bytes
+CAPACITY_SEQS = 8  # running sequences
+
+
+def page_plan(specs: dict, groups: list) -> dict[str, Any]:
+    """What the KV cache groups give each kind of layer: the bytes per token
+    the TurboQuant and the native attention groups' pages hold (page over
+    block size, padding included), the Mamba page and the Mamba state it
+    holds, and the groups' block sizes."""
+    from vllm.v1.kv_cache_interface import AttentionSpec, MambaSpec
+
+    per_token: dict[str, set[float]] = {"tq": set(), "native": set()}
+    mamba_pages, block_sizes = set(), set()
+    for group in groups:
+        spec = group.kv_cache_spec
+        block_sizes.add(spec.block_size)
+        if isinstance(spec, MambaSpec):
+            mamba_pages.add(spec.page_size_bytes)
+        elif isinstance(spec, AttentionSpec):
+            kinds = {h.is_turboquant_spec(specs[name]) for name in group.layer_names}
+            assert len(kinds) == 1, f"a group mixes kinds: {group.layer_names}"
+            kind = "tq" if kinds.pop() else "native"
+            page, block_size = spec.page_size_bytes, spec.block_size
+            exact = page % block_size == 0
+            per_token[kind].add(page // block_size if exact else page / block_size)
+    states = {
+        sum(math.prod(shape) * dtype.itemsize for shape, dtype in zip(*state))
+        for state in {
+            (spec.shapes, spec.dtypes)
+            for spec in specs.values()
+            if isinstance(spec, MambaSpec)
+        }
+    }
+    return {
+        "tq": sorted(per_token["tq"]),
+        "native": sorted(per_token["native"]),
+        "mamba_page": sorted(mamba_pages),
+        "mamba_state": max(states, default=0),
+        "groups": len(groups),
+        "block_sizes": sorted(block_sizes),
+    }
+
+
+def tokens_that_fit(vllm_config: Any, kv_cache_config: Any, seqs: int) -> int:
+    """seqs x the longest length L such that ``seqs`` running requests of L
+    tokens hold their blocks: cdiv(L, block size) in each attention group,
+    in each Mamba group the blocks its spec keeps per request (its
+    ``max_memory_usage_bytes`` over its page)."""
+    from vllm.v1.kv_cache_interface import MambaSpec
+
+    per_request, block_sizes = 0, []
+    for group in kv_cache_config.kv_cache_groups:
+        spec = group.kv_cache_spec
+        if hasattr(spec, "kv_cache_specs"):  # UniformTypeKVCacheSpecs
+            spec = next(iter(spec.kv_cache_specs.values()))
+        if isinstance(spec, MambaSpec):
+            usage = spec.max_memory_usage_bytes(vllm_config)
+            per_request += -(-usage // spec.page_size_bytes)
+        else:
+            block_sizes.append(spec.block_size)
+
+    def fits(length: int) -> bool:
+        blocks = per_request + sum(-(-length // size) for size in block_sizes)
+        return seqs * blocks <= kv_cache_config.num_blocks
+
+    if not fits(0):
+        return 0
+    low, high = 0, 1
+    while fits(high):
+        low, high = high, 2 * high
+    while high - low > 1:
+        mid = (low + high) // 2
+        low, high = (mid, high) if fits(mid) else (low, mid)
+    return seqs * low
+
+
+def capacity(vllm_config: Any, monkeypatch) -> tuple[int, Any, dict, dict]:
+    """Tokens that fit ``CAPACITY_BUDGET`` with ``CAPACITY_SEQS`` running
+    sequences, and the KV cache config, specs and backends behind them."""
+    specs, backends = build_kv_cache_specs(vllm_config, monkeypatch)
+    (config,) = h.kv_cache_configs(vllm_config, [specs], [CAPACITY_BUDGET])
+    return tokens_that_fit(vllm_config, config, CAPACITY_SEQS), config, specs, backends
+
+
+def check_runner_caches(
+    vllm_config: Any, kv_cache_config: Any, specs: dict, backends: dict, preset: str
+) -> None:
+    """The model runner allocates and shapes the KV cache it planned: every
+    layer gets a cache, each TurboQuant layer a uint8 cache of its packed
+    slots covering its group's blocks."""
+    kv_caches = h.runner_kv_caches(vllm_config, kv_cache_config, backends)
+    assert set(kv_caches) == set(specs)
+    model_config = vllm_config.model_config
+    num_kv_heads = model_config.get_num_kv_heads(vllm_config.parallel_config)
+    slot = tq_slot_bytes(preset, model_config.get_head_size())
+    block_size = {
+        name: group.kv_cache_spec.block_size
+        for group in kv_cache_config.kv_cache_groups
+        for name in group.layer_names
+    }
+    tq_names = [name for name, spec in specs.items() if h.is_turboquant_spec(spec)]
+    assert tq_names
+    for name in tq_names:
+        cache = kv_caches[name]
+        # (blocks, block, heads, slot) or head-major; kernel blocks may split
+        # a manager block.
+        assert cache.dtype == torch.uint8 and cache.dim() == 4
+        assert cache.shape[-1] == slot and num_kv_heads in cache.shape[1:3]
+        tokens = cache.shape[0] * cache.shape[1] * cache.shape[2] // num_kv_heads
+        assert tokens == kv_cache_config.num_blocks * block_size[name]
+
+
+@pytest.mark.bug_signature(AssertionError, SKIP_PADDED)
+@pytest.mark.bug_signature(NotImplementedError, SKIP_UNPADDABLE)
+@pytest.mark.parametrize("preset", ["turboquant_k8v4", "turboquant_4bit_nc"])
+@pytest.mark.parametrize("skip", ["first", "last"])
+@pytest.mark.parametrize("name", ["jamba", "qwen3_5_9b"])
+def test_hybrid_skip_layers_keep_page_bytes(
+    engine_env, kv_cache_utils, monkeypatch, tmp_path, name, skip, preset
 ):
-    _, expected = HYBRIDS["qwen3_5_9b"]
-    skipped = [expected[0], expected[-1]]
+    """A hybrid with one attention layer kept out of TurboQuant
+    (``--kv-cache-dtype-skip-layers``), planned by the tree's own planner:
+    TurboQuant layers keep their packed bytes per token; the Mamba page is
+    no larger than the least common alignment of both layouts needs (the
+    smallest page that holds the state and whole kernel blocks of each at
+    its own bytes per token); the budget holds more tokens than with bf16.
+    v0.33.0 gives every attention layer the native 4096 B/token and pads
+    Mamba pages 6-29x. The skip layer's own bytes and padding are checked
+    with the other invariants (``check_kv_cache_specs``)."""
+    make_config, expected = HYBRIDS[name]
+    skipped = [expected[0] if skip == "first" else expected[-1]]
     vllm_config = hybrid_engine_config(
-        qwen3_5_9b(),
-        tmp_path,
+        make_config(),
+        tmp_path / "tq",
         kv_cache_dtype=preset,
         skip_layers=[str(i) for i in skipped],
     )
-    tq_layers = [i for i in expected if i not in skipped]
-    build_and_check_kv_cache_specs(
-        vllm_config, monkeypatch, kv_cache_utils, preset, tq_layers, skipped
+    tokens, _, specs, backends = capacity(vllm_config, monkeypatch)
+    plan = page_plan(specs, grouped(vllm_config, specs, raise_errors=False))
+    bf16_config = engine_config(make_config(), tmp_path / "bf16", kv_cache_dtype="auto")
+    with monkeypatch.context() as patch:
+        bf16_tokens = capacity(bf16_config, patch)[0]
+    model_config = vllm_config.model_config
+    num_kv_heads = model_config.get_num_kv_heads(vllm_config.parallel_config)
+    head_size = model_config.get_head_size()
+    tq_token = num_kv_heads * tq_slot_bytes(preset, head_size)
+    native_token = num_kv_heads * 2 * head_size * model_config.dtype.itemsize
+    tq_layer = next(
+        layer for layer, spec in specs.items() if h.is_turboquant_spec(spec)
     )
+    skip_layer = f"model.layers.{skipped[0]}.self_attn.attn"
+    unit = math.lcm(
+        smallest_kernel_block(vllm_config, {backends[tq_layer]}) * tq_token,
+        smallest_kernel_block(vllm_config, {backends[skip_layer]}) * native_token,
+    )
+    least = unit * -(-plan["mamba_state"] // unit)
+    tq, native, mamba = (
+        "/".join(map(str, plan[key])) for key in ("tq", "native", "mamba_page")
+    )
+    assert (
+        plan["tq"] == [tq_token]
+        and max(plan["mamba_page"]) <= least
+        and tokens > bf16_tokens
+    ), (
+        f"hybrid KV cache plan: TurboQuant layers get {tq} B/token (layout "
+        f"{tq_token}), the skip layer {native} (layout {native_token}); Mamba "
+        f"page {mamba} B for a {plan['mamba_state']} B state (least common "
+        f"alignment {least}); {tokens} tokens fit {CAPACITY_BUDGET >> 30} GiB "
+        f"with {CAPACITY_SEQS} sequences, {bf16_tokens} with bf16"
+    )
+    tq_layers = [i for i in expected if i not in skipped]
+    check_kv_cache_specs(
+        vllm_config, specs, backends, kv_cache_utils, preset, tq_layers, skipped
+    )
+    (small,) = h.kv_cache_configs(vllm_config, [specs], [2**30])
+    check_runner_caches(vllm_config, small, specs, backends, preset)
 
 
 @st.composite
@@ -757,6 +1014,22 @@ def hybrid_shapes(draw) -> dict[str, Any]:
     report_multiple_bugs=False,
 )
 @given(shape=hybrid_shapes())
+# Every attention layer skipped, and a Mamba state that fills the hybrid page
+# exactly (34,304 B = 256 TurboQuant tokens): found by this test.
+@example(
+    shape={
+        "layer_types": ["full_attention", "linear_attention"],
+        "head_dim": 128,
+        "num_key_value_heads": 1,
+        "num_attention_heads": 1,
+        "linear_num_key_heads": 1,
+        "linear_num_value_heads": 1,
+        "linear_key_head_dim": 64,
+        "linear_value_head_dim": 128,
+        "preset": "turboquant_4bit_nc",
+        "skipped": [0],
+    }
+)
 def test_hybrid_kv_cache_specs_consistent(
     engine_env, kv_cache_utils, monkeypatch, tmp_path_factory, shape
 ):
