@@ -6,7 +6,8 @@
 #
 # PARTS: comma list of cudagraph (issue 4), bench (issue 3), tests (targeted
 # tests on CUDA), newest (the three on the newest stack, tq-v0.33 on
-# v0.33.0: trees tq33-base, tq33-patched), fix (a proposed change,
+# v0.33.0: trees tq33-base, tq33-patched), batches (the differential test's
+# long mode on both patched stacks), fix (a proposed change,
 # ci/gpu/proposed/, benchmarked against (b) and tested); default the first
 # three. DEADLINE_S (default
 # 570): every part gets what is left of it, so the summary is always written. Results go to $OUT
@@ -59,7 +60,7 @@ has() { case ",$parts," in *",$1,"*) return 0;; esac; return 1; }
 # PYTHONPATH: vLLM inspects model classes in a subprocess, which must import
 # the same tree.
 pt() { local name=$1 tree=$2; shift 2
-  run $name 240 env VLLM_TREE=$T/$tree VLLM_BASE_TREE=${BASE_TREE-$T/tq-0001} \
+  run $name ${PT_CAP:-240} env VLLM_TREE=$T/$tree VLLM_BASE_TREE=${BASE_TREE-$T/tq-0001} \
     PYTHONPATH=$T/$tree:/tmp/site $PY -m pytest -q \
     -p no:cacheprovider -o addopts= --junitxml=$W/junit_$name.xml -rfE "$@"; }
 
@@ -107,6 +108,16 @@ if has newest; then
   reg=$(for p in $(grep -E '^tq-v0.33/' series); do
           grep -m1 '^Tests:' "patches/$p" | cut -d' ' -f2-; done)
   BASE_TREE= pt tq33_base_regression tq33-base $reg
+fi
+
+if has batches; then
+  # The differential test of the TurboQuant backend (tests/patches/
+  # test_tq_batches.py) in its long mode: the trees' own continuation
+  # threshold, contexts up to 300 tokens, TQ_BATCH_EXAMPLES per test.
+  for t in tq-patched tq33-patched; do
+    BASE_TREE= PT_CAP=300 TQ_BATCH_EXAMPLES=${TQ_BATCH_EXAMPLES:-100} \
+      pt batches_${t%-patched} $t tests/patches/test_tq_batches.py
+  done
 fi
 
 if has fix; then
