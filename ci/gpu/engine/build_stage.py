@@ -367,6 +367,7 @@ def main() -> int:
                     "(default WORK/deps/fallback/zstandard-*.whl): the device decompresses with it "
                     "when it has no zstd command")
     ap.add_argument("--out", default=str(REPO / ".dev" / "eng"))
+    ap.add_argument("--prefix", default="c", help="carry and call names: PREFIX1 .. PREFIXn")
     a = ap.parse_args()
     work = Path(a.work)
     dist = Path(a.dist)
@@ -505,7 +506,7 @@ def main() -> int:
     rows = []
     ok = True
     for ci, c in enumerate(carries, 1):
-        cdir = out / f"c{ci}"
+        cdir = out / f"{a.prefix}{ci}"
         cdir.mkdir()
         parts = []
         for p in c["parts"]:
@@ -521,11 +522,12 @@ def main() -> int:
                 d["z_bytes"] = b["z"]["z_bytes"]
                 d["method"] = b["z"]["method"]
             builds.append(d)
-        man = {"call": f"c{ci}", "requires": [f"c{j}" for j in range(1, ci)], "parts": parts, "builds": builds}
+        man = {"call": f"{a.prefix}{ci}", "requires": [f"{a.prefix}{j}" for j in range(1, ci)], "parts": parts,
+               "builds": builds}
         (cdir / "manifest.json").write_text(json.dumps(man, indent=1))
         cbytes = sum(f.stat().st_size for f in cdir.iterdir())
         travel = cbytes + tracked + untracked
-        rows.append((f"c{ci}", cbytes, travel, [b["name"] for b in c["builds"]]))
+        rows.append((f"{a.prefix}{ci}", cbytes, travel, [b["name"] for b in c["builds"]]))
         if cbytes >= 60 * MiB + MiB // 2 or travel >= LIMIT:
             ok = False
     summary["carries"] = [{"call": r[0], "carry_bytes": r[1], "travel_bytes": r[2], "builds": r[3]} for r in rows]

@@ -113,6 +113,49 @@ CALLS: dict[str, dict] = {
     },
 }
 
+# Issue #25 (PLAN.md, "Silent wrong outputs"): a second stage of v0.20.2 and
+# v0.26.0 only (build_stage.py --prefix p): p1, p2 staging; p3 completes
+# v0.20.2 (release, + tq) and runs its jobs; p4 completes v0.26.0 (release,
+# + kvfix = the #50709 port, + patched = kvfix + tq-v0.33/0002, 0003) and
+# runs its jobs: the parallel ones first (cold compile), then the timed
+# ones alone.
+K = "kvfix"
+CALLS.update({
+    "p1": {"parallel": 1, "jobs": []},
+    "p2": {"parallel": 1, "jobs": []},
+    "p3": {
+        "parallel": 6,
+        "jobs": jobs(
+            f"{R0}:{U}:pfx",  # vllm#46460: H batched with F diverges from H alone
+            f"{R0}:{P}:pfx",  # tq/0004: the same tokens as alone
+            f"{R0}:{U}:pfx_auto",  # the bf16 reference (the patches touch only TurboQuant)
+            f"{R0}:{P}:sd_ref",  # tq/0002 under ngram + full graphs: equal to no spec
+            f"{R0}:{P}:sd_fs",
+        ),
+    },
+    "p4": {
+        "parallel": 8,
+        "jobs": jobs(
+            f"{R2}:{U}:sd_fa",  # #50709: TurboQuant on the V1 runner does not start
+            f"{R2}:{K}:sd_ref",
+            f"{R2}:{K}:sd_fa",  # full graphs + async: wrong (capture, host lengths)
+            f"{R2}:{K}:sd_fs",  # full graphs: wrong (capture)
+            f"{R2}:{K}:sd_pa",  # piecewise + async: wrong (host lengths)
+            f"{R2}:{P}:sd_ref",
+            f"{R2}:{P}:sd_fs",
+            f"{R2}:{U}:pfx",  # vllm#46460 on the V2 runner
+            f"{R2}:{P}:pfx",
+            f"{R2}:{U}:pfx_auto",
+            f"{R2}:{P}:sdx_fa",  # timed alone: the fix at full speed
+            f"{R2}:{K}:sdx_ps",  # timed alone: the workarounds
+            f"{R2}:{K}:sdx_es",
+        ),
+    },
+    # p5: only if p4's deadline cut its timed jobs (no carry; same machine)
+    "p5": {"parallel": 1, "jobs": jobs(f"{R2}:{P}:sdx_fa", f"{R2}:{K}:sdx_ps", f"{R2}:{K}:sdx_es")},
+})
+
 # Budgets (seconds from the start of call.sh, setup included) and the
 # device tool's timeout_s for each call; PLAN.md lists the run() calls.
-BUDGET = {"c1": 150, "c2": 120, "c3": 420, "c4": 300, "c5": 240}
+BUDGET = {"c1": 150, "c2": 120, "c3": 420, "c4": 300, "c5": 240,
+          "p1": 150, "p2": 120, "p3": 330, "p4": 560, "p5": 240}

@@ -128,6 +128,9 @@ def summarize(vc) -> dict:
         "is_hybrid": vc.model_config.is_hybrid,
         "enforce_eager": vc.model_config.enforce_eager,
     }
+    # The runner the engine takes (the property reads the environment; on CPU
+    # it says False where V2 needs Triton, which is off without a GPU).
+    out["v2_runner"] = getattr(vc, "use_v2_model_runner", "no V2 in this release")
     return out
 
 
@@ -146,6 +149,7 @@ def check_tree(tree: Path, release: str, variant: str, names: list[str]) -> dict
     saved = dict(os.environ)
     for n in names:
         kw = S.engine_kwargs(n)
+        os.environ.update(S.engine_env(n))
         try:
             vc = EngineArgs(**kw).create_engine_config()
             res["scenarios"][n] = {"outcome": "ok", **summarize(vc)}
@@ -202,8 +206,9 @@ def main() -> int:
 
 
 def print_table(results: list[dict]) -> None:
-    print("| release | variant | scenario | outcome | cudagraph_mode | fa | chunked/mbt | prefix | spec | skip layers |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("| release | variant | scenario | outcome | cudagraph_mode | fa | chunked/mbt | prefix | spec | skip layers "
+          "| async | V2 runner |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in results:
         if "error" in r:
             print(f"| {r['release']} | {r['variant']} | * | ERROR {r['error'][-300:]!r} |")
@@ -214,7 +219,7 @@ def print_table(results: list[dict]) -> None:
             else:
                 print(f"| {r['release']} | {r['variant']} | {n} | ok | {s['cudagraph_mode']} | {s['flash_attn_version']} | "
                       f"{s['chunked_prefill']}/{s['max_num_batched_tokens']} | {s['prefix_caching']} | {s['spec']} | "
-                      f"{s['kv_skip_layers']} |")
+                      f"{s['kv_skip_layers']} | {s['async_scheduling']} | {s.get('v2_runner')} |")
 
 
 if __name__ == "__main__":

@@ -64,7 +64,9 @@ def short(res: dict) -> str:
                 break
         return f"{o}: {e.get('type', '')}: {first[:160]}"
     extra = ""
-    if res.get("speed"):
+    if res.get("trials") or res.get("spec_bs1"):
+        extra = eq_short(res)
+    elif res.get("speed"):
         sp = res["speed"]
         extra = " ".join(f"{k} {v['best_tok_per_s']} tok/s" for k, v in sp.items())
     elif res.get("long"):
@@ -80,6 +82,18 @@ def short(res: dict) -> str:
     elif res.get("bench"):
         extra = f"{len(res['bench'].get('runs', []))} rows"
     return f"{o} {extra}".strip()
+
+
+def eq_short(res: dict) -> str:
+    """pfx: H batched == H alone per trial; sd: tok/s and acceptance."""
+    if res.get("trials"):
+        same = sum(t["batched"]["token_ids"] == t["alone"]["token_ids"] for t in res["trials"])
+        return f"H batched == alone: {same}/{len(res['trials'])} trials"
+    c = res.get("spec_counters", {}).get("bs1", {})
+    acc = [v for k, v in c.items() if k.endswith("num_accepted_tokens") and isinstance(v, float)]
+    drafts = [v for k, v in c.items() if k.endswith("num_draft_tokens") and isinstance(v, float)]
+    rate = f" accepted {acc[0]:.0f}/{drafts[0]:.0f} (cumulative)" if acc and drafts else ""
+    return f"{res.get('eq_speed', {})}{rate}"
 
 
 def table(results: list[dict]) -> str:

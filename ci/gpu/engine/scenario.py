@@ -64,6 +64,16 @@ def err_info(e: BaseException) -> dict:
 def write(path: str) -> None:
     RESULT["finished"] = now()
     Path(path).write_text(json.dumps(RESULT, indent=1, default=str))
+    JSON_PATH[0] = path
+
+
+JSON_PATH: list[str] = [""]
+
+
+def checkpoint() -> None:
+    """Rewrite the result file mid-run (a timeout keeps what was measured)."""
+    if JSON_PATH[0]:
+        write(JSON_PATH[0])
 
 
 # --------------------------------------------------------------------------
@@ -192,6 +202,22 @@ def probe_config(w) -> dict:
     return out
 
 
+def probe_weights(w) -> str:
+    """Digest of the model's parameters: engines compared token for token
+    must hold the same (deterministic) weights."""
+    import hashlib
+
+    import torch
+
+    w = getattr(w, "worker", w)
+    h = hashlib.sha256()
+    with torch.no_grad():
+        for name, p in w.model_runner.model.named_parameters():
+            d = p.detach().double()
+            h.update(f"{name}:{tuple(p.shape)}:{d.sum().item():.6e}:{d.abs().sum().item():.6e};".encode())
+    return h.hexdigest()[:16]
+
+
 # --------------------------------------------------------------------------
 # scenarios
 # --------------------------------------------------------------------------
@@ -310,6 +336,9 @@ def run_engine(name: str, res: dict) -> None:
     if s["workload"] == "none":
         res["outcome"] = "ok"
         return
+    if s["workload"] in ("prefix_batch", "spec_eq"):
+        run_eq(llm, s["workload"], res, SamplingParams)
+        return
     if s["workload"] == "speed":
         res["phase"] = "speed"
         try:
@@ -364,6 +393,115 @@ def run_engine(name: str, res: dict) -> None:
             row["failed"] = True
             return
     res["outcome"] = "ok"
+
+
+def record(o, prompt: list[int] | None = None, tail: int = 0) -> dict:
+    """Greedy tokens, top-k logprobs, cached tokens; with ``tail``, the
+    logprob of each of the prompt's last ``tail`` tokens (prompt logprobs,
+    aligned from the end; None where the entry lacks the prompt's token)."""
+    c = o.outputs[0]
+    r = {
+        "token_ids": list(c.token_ids),
+        "logprobs": [{str(t): round(float(lp.logprob), 5) for t, lp in (d or {}).items()}
+                     for d in (c.logprobs or [])],
+        "num_cached_tokens": getattr(o, "num_cached_tokens", None),
+    }
+    if tail:
+        plp = o.prompt_logprobs or []
+        r["prompt_lp"] = []
+        for j in range(tail, 0, -1):
+            d = plp[-j] if j < len(plp) else None
+            lp = d.get(prompt[-j]) if d else None
+            r["prompt_lp"].append(None if lp is None else round(float(lp.logprob), 5))
+    return r
+
+
+def run_prefix_batch(llm, res: dict, SamplingParams) -> None:
+    """vllm#46460 (PFX): H = P + tail with P cached, alone, then in one step
+    with a fresh prompt F longer than H. The oracle is H alone."""
+    c = S.PFX
+    sp_p = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True, detokenize=False)
+    kw = {"temperature": 0.0, "max_tokens": c["max_tokens"], "ignore_eos": True, "detokenize": False,
+          "logprobs": 5}
+    # prompt logprobs skip the prefix cache unless told not to (sampling_params.py)
+    sp_h = SamplingParams(**kw, prompt_logprobs=1, skip_reading_prefix_cache=False)
+    sp_f = SamplingParams(**kw)
+    res["trials"] = []
+    for t in S.pfx_trials():
+        row: dict = {"seed": t["seed"]}
+        res["trials"].append(row)
+        h = t["P"] + t["tail"]
+        m = c["tail"] - 1  # tail tokens whose logprob the tail's own positions give
+        gen(llm, [t["P"]], sp_p)
+        row["alone"] = record(gen(llm, [h], sp_h)[0], h, m)
+        row["reset"] = [llm.reset_prefix_cache()]
+        gen(llm, [t["P"]], sp_p)
+        oh, of = llm.generate([{"prompt_token_ids": h}, {"prompt_token_ids": t["F"]}], [sp_h, sp_f],
+                              use_tqdm=False)
+        row["batched"] = record(oh, h, m)
+        row["fresh"] = record(of)
+        row["reset"].append(llm.reset_prefix_cache())
+        checkpoint()
+
+
+def spec_counters(llm) -> dict:
+    """The engine's speculative-decoding counters (Prometheus snapshot)."""
+    try:
+        ms = llm.get_metrics()
+    except Exception as e:  # noqa: BLE001
+        return {"error": repr(e)[:200]}
+    out = {}
+    for m in ms:
+        if "spec_decode" in m.name:
+            v = getattr(m, "value", None)
+            out[m.name] = v if v is not None else list(getattr(m, "values", []) or [])
+    return out
+
+
+def run_spec_eq(llm, res: dict, SamplingParams) -> None:
+    """Greedy outputs of spec_prompts, one at a time and then all at once,
+    with the time each took and the speculative-decoding counters."""
+    sp = SamplingParams(temperature=0.0, max_tokens=S.SPEC_TOKENS, ignore_eos=True, detokenize=False,
+                        logprobs=5)
+    warm = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True, detokenize=False)
+    prompts = S.spec_prompts()
+    gen(llm, [S.random_tokens(48, 99)], warm)
+    res["spec_counters"] = {"start": spec_counters(llm)}
+    res["spec_bs1"] = []
+    for pr in prompts:
+        t = time.perf_counter()
+        o = gen(llm, [pr], sp)[0]
+        res["spec_bs1"].append({**record(o), "s": round(time.perf_counter() - t, 4)})
+        checkpoint()
+    res["spec_counters"]["bs1"] = spec_counters(llm)
+    times = []
+    for i in range(2):  # timed twice: the first batch may meet new shapes
+        t = time.perf_counter()
+        outs = gen(llm, prompts, sp)
+        times.append(round(time.perf_counter() - t, 4))
+        if i == 0:
+            res["spec_batch"] = {"outputs": [record(o) for o in outs]}
+            res["spec_counters"]["batch"] = spec_counters(llm)
+    res["spec_batch"].update(s=min(times), s_each=times)
+    n1 = sum(len(x["token_ids"]) for x in res["spec_bs1"])
+    nb = sum(len(x["token_ids"]) for x in res["spec_batch"]["outputs"])
+    res["eq_speed"] = {"bs1_tok_per_s": round(n1 / sum(x["s"] for x in res["spec_bs1"]), 1),
+                       f"bs{len(prompts)}_tok_per_s": round(nb / res["spec_batch"]["s"], 1)}
+
+
+def run_eq(llm, workload: str, res: dict, SamplingParams) -> None:
+    res["phase"] = workload
+    try:
+        res["weights_digest"] = llm.collective_rpc(probe_weights)[0]
+    except Exception as e:  # noqa: BLE001
+        res["weights_digest"] = f"n/a: {e!r}"[:200]
+    checkpoint()
+    try:
+        (run_prefix_batch if workload == "prefix_batch" else run_spec_eq)(llm, res, SamplingParams)
+        res["outcome"] = "ok"
+    except BaseException as e:  # noqa: BLE001
+        res["outcome"] = "run_failed"
+        res["error"] = err_info(e)
 
 
 def run_speed(llm, res: dict, SamplingParams) -> None:
@@ -428,6 +566,9 @@ def fake(res: dict, name: str, release: str, variant: str) -> None:
         res.update(outcome="init_failed", phase="init", error={"type": "RuntimeError", "first_line":
                    "Cannot copy between CPU and CUDA tensors during CUDA graph capture unless the CPU tensor is pinned", "chain": []})
         return
+    if s["workload"] in ("prefix_batch", "spec_eq"):
+        fake_eq(res, name, release, variant)
+        return
     if s["workload"] == "speed":
         base = {"default": 1.0, "none": 0.45, "eager": 0.35}[s["graphs"]]
         res["speed"] = {f"bs{b}": {"best_tok_per_s": round(base * (400 if b == 1 else 6000), 1), "reps": []} for b in (1, 32)}
@@ -457,6 +598,55 @@ def fake(res: dict, name: str, release: str, variant: str) -> None:
     res["outcome"] = "ok"
 
 
+def fake_eq(res: dict, name: str, release: str, variant: str) -> None:
+    """ENG_FAKE for the pfx / sd workloads: the prediction of NOTES.md in the
+    real format (wrong where the fix is missing), for dry runs only."""
+    import random
+    import zlib
+
+    s = S.SCENARIOS[name]
+    fixed = variant == "patched"
+    if release == "v0.26.0" and variant == "unpatched" and s.get("runner") == "v1":
+        res.update(outcome="init_failed", phase="init", error={"type": "ValueError", "chain": [], "first_line":
+                   "Unknown TurboQuant cache dtype: 'auto'. Valid presets: turboquant_k8v4, ..."})
+        return
+    r = random.Random(zlib.crc32(f"{name}/{release}/{variant}".encode()))
+    res["weights_digest"] = "fake0000"
+
+    def out(seed: int, bad: bool, n: int) -> dict:
+        q = random.Random(seed)
+        toks = [q.randrange(10, 4000) for _ in range(n)]
+        lp = [round(-6.2 - q.random() * 0.2, 5) for _ in range(n)]
+        if bad:
+            toks = toks[:3] + [t + 1 for t in toks[3:]]
+            lp = [x - 0.3 for x in lp]
+        noise = 0.0 if s["kv"] != "auto" else 0.01
+        return {"token_ids": toks, "logprobs": [{str(t): round(v + noise, 5)} for t, v in zip(toks, lp)],
+                "num_cached_tokens": 0}
+
+    if s["workload"] == "prefix_batch":
+        res["trials"] = []
+        for t in S.pfx_trials():
+            bad = not fixed and s["kv"] != "auto"
+            a, b = out(t["seed"], False, S.PFX["max_tokens"]), out(t["seed"], bad, S.PFX["max_tokens"])
+            pl = [round(-8.3 + r.random() * 0.1, 5) for _ in range(S.PFX["tail"] - 1)]
+            a["prompt_lp"] = pl
+            b["prompt_lp"] = [x - (0.2 if bad else 0.0) for x in pl]
+            a["num_cached_tokens"] = b["num_cached_tokens"] = S.PFX["prefix"]
+            res["trials"].append({"seed": t["seed"], "alone": a, "batched": b, "fresh": out(1, False, 4),
+                                  "reset": [True, True]})
+    else:
+        bad = s["spec"] and not fixed and not (s["graphs"] != "default" and not s.get("async_scheduling"))
+        res["spec_bs1"] = [{**out(i, bad, S.SPEC_TOKENS), "s": 0.5 if s["graphs"] == "default" else 1.5}
+                           for i in range(4)]
+        res["spec_batch"] = {"s": 0.8, "outputs": [out(i, bad, S.SPEC_TOKENS) for i in range(4)]}
+        c = {"vllm:spec_decode_num_draft_tokens": 600.0, "vllm:spec_decode_num_accepted_tokens": 510.0}
+        res["spec_counters"] = {"start": {k: 0.0 for k in c}, "bs1": c, "batch": {k: 2 * v for k, v in c.items()}}
+        res["eq_speed"] = {"bs1_tok_per_s": round(1024 / sum(x["s"] for x in res["spec_bs1"]), 1),
+                           "bs4_tok_per_s": round(1024 / 0.8, 1)}
+    res["outcome"] = "ok"
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--scenario", required=True)
@@ -471,6 +661,8 @@ def main() -> int:
                   host=os.uname().nodename)
     if s["kind"] == "engine":
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = str(s["mp"])
+        os.environ.update(S.engine_env(a.scenario))
+        RESULT["env"] = S.engine_env(a.scenario)
     write(a.json)  # a crash or a timeout still leaves a record
     if os.environ.get("ENG_FAKE"):
         fake(RESULT, a.scenario, a.release, a.variant)

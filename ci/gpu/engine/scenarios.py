@@ -120,6 +120,55 @@ SCENARIOS: dict[str, dict] = {
     "cont_bench": {"kind": "cont_bench", "timeout": 240, "exclusive": True,
                    "doc": "continuation prefill kernel benchmark, real FA2"},
 }
+
+# --------------------------------------------------------------------------
+# Silent wrong outputs (exact oracles): a prefix-cache hit batched with a
+# longer fresh prompt (vllm#46460; tq/0004, tq-v0.33/0003), and speculative
+# decoding under full CUDA graphs / async scheduling (#41434's capture and
+# host lengths; tq-v0.33/0002; vllm#52475, #53180).
+#   pfx, pfx_auto   workload "prefix_batch" (PFX): H = P + tail with P cached,
+#                   run alone and in one step with a fresh prompt F longer
+#                   than H; prompt logprobs of H's tail + greedy tokens
+#   sd_*            workload "spec_eq" (spec_prompts, SPEC_TOKENS greedy
+#                   tokens each, batch 1, then all at once): with ngram
+#                   speculation vs without (sd_ref), same tree
+#   sdx_*           the same as an sd_* configuration, alone on the GPU (tok/s)
+# sd_/sdx_ names: f/p/e = FULL_AND_PIECEWISE (default) / PIECEWISE / eager;
+# a/s = async scheduling on (ngram_gpu: plain ngram cannot run async) / off
+# (plain ngram). All run on the V1 model runner (v0.26.0 has no ngram on V2),
+# where v0.26.0 needs the #50709 port (variant kvfix) to start with TurboQuant.
+# --------------------------------------------------------------------------
+EQ_LEN = 4096  # max_model_len of the pfx / sd scenarios
+EQ_KV = 1 << 30  # their kv_cache_memory_bytes
+PFX = {"prefix": 1024, "tail": 256, "fresh": 1536, "trials": 3, "max_tokens": 16}
+SPEC_TOKENS = 256
+SPEC_EQ = {"num_speculative_tokens": 3, "prompt_lookup_min": 2, "prompt_lookup_max": 3}
+
+
+def _eq(**kw) -> dict:
+    d = _s(max_model_len=EQ_LEN, kv_bytes=EQ_KV, max_num_seqs=8, timeout=400, disable_log_stats=False)
+    d.update(kw)
+    return d
+
+
+def _sd(graphs: str, asyn: bool, **kw) -> dict:
+    return _eq(workload="spec_eq", spec=True, spec_method="ngram_gpu" if asyn else "ngram",
+               async_scheduling=asyn, graphs=graphs, runner="v1", **kw)
+
+
+SCENARIOS.update({
+    "pfx": _eq(workload="prefix_batch", doc="prefix hit batched with a longer fresh prompt (vllm#46460)"),
+    "pfx_auto": _eq(workload="prefix_batch", kv="auto", doc="pfx with kv_cache_dtype auto (reference)"),
+    "sd_ref": _eq(workload="spec_eq", runner="v1", doc="no speculation (the reference), V1 runner"),
+    "sd_fa": _sd("default", True, doc="ngram_gpu, FULL_AND_PIECEWISE, async"),
+    "sd_fs": _sd("default", False, doc="ngram, FULL_AND_PIECEWISE, no async"),
+    "sd_pa": _sd("piecewise", True, doc="ngram_gpu, PIECEWISE, async"),
+    "sdx_fa": _sd("default", True, exclusive=True, timeout=240, doc="sd_fa alone on the GPU (tok/s)"),
+    "sdx_ps": _sd("piecewise", False, exclusive=True, timeout=240,
+                  doc="ngram, PIECEWISE, no async (the workaround) alone (tok/s)"),
+    "sdx_es": _sd("eager", False, exclusive=True, timeout=240,
+                  doc="ngram, enforce_eager, no async (the workaround) alone (tok/s)"),
+})
 for _n, _d in SCENARIOS.items():
     _d.setdefault("kind", "engine")
 
@@ -128,27 +177,33 @@ def engine_kwargs(name: str, *, model_dir: Path | None = None) -> dict:
     """EngineArgs / LLM(**kwargs) of an engine scenario."""
     s = SCENARIOS[name]
     assert s["kind"] == "engine", name
+    max_len = s.get("max_model_len", MAX_MODEL_LEN)
     kw: dict = dict(
         model=str(model_dir or MODELS[s["model"]]),
         load_format="dummy",
         skip_tokenizer_init=True,
         dtype="bfloat16",
         seed=0,
-        max_model_len=MAX_MODEL_LEN,
-        max_num_seqs=32 if s["workload"] == "speed" else 16,
+        max_model_len=max_len,
+        max_num_seqs=s.get("max_num_seqs", 32 if s["workload"] == "speed" else 16),
         kv_cache_dtype=s["kv"],
         enable_prefix_caching=s["prefix"],
         enable_chunked_prefill=s["chunked"],
-        max_num_batched_tokens=CHUNK if s["chunked"] else MAX_MODEL_LEN,
+        max_num_batched_tokens=CHUNK if s["chunked"] else max_len,
     )
     if s["model"] == "hybrid":
         kw["language_model_only"] = True
     if s["spec"]:
         kw["speculative_config"] = dict(SPEC)
+        if "spec_method" in s:
+            kw["speculative_config"] = {"method": s["spec_method"], **SPEC_EQ}
+    for k in ("async_scheduling", "disable_log_stats"):
+        if k in s:
+            kw[k] = s[k]
     if s["graphs"] == "eager":
         kw["enforce_eager"] = True
-    elif s["graphs"] == "none":
-        kw["compilation_config"] = {"cudagraph_mode": "NONE"}
+    elif s["graphs"] in ("none", "piecewise"):
+        kw["compilation_config"] = {"cudagraph_mode": s["graphs"].upper()}
     # vllm#40807 fails in the CUDA-graph memory profile, which only the
     # gpu_memory_utilization path runs (m4, as the issue ran it; with a fixed
     # KV budget the same error comes from capture_model instead); elsewhere a
@@ -156,9 +211,15 @@ def engine_kwargs(name: str, *, model_dir: Path | None = None) -> dict:
     if s["mem"] == "gmu" or s["workload"] == "speed":
         kw["gpu_memory_utilization"] = GMU
     else:
-        kw["kv_cache_memory_bytes"] = KV_BYTES
+        kw["kv_cache_memory_bytes"] = s.get("kv_bytes", KV_BYTES)
         kw["gpu_memory_utilization"] = KV_GMU
     return kw
+
+
+def engine_env(name: str) -> dict[str, str]:
+    """Environment of an engine scenario's process (set before vLLM is
+    imported): the V1 model runner where the scenario asks for it."""
+    return {"VLLM_USE_V2_MODEL_RUNNER": "0"} if SCENARIOS[name].get("runner") == "v1" else {}
 
 
 def short_prompts() -> list[list[int]]:
@@ -181,6 +242,28 @@ def random_tokens(n: int, seed: int) -> list[int]:
 
     r = random.Random(seed)
     return [r.randrange(10, VOCAB_MAX) for _ in range(n)]
+
+
+def pfx_trials() -> list[dict]:
+    """Prefix hit batched with a fresh prompt (PFX): per trial a cached
+    prefix P, H = P + tail, and a fresh prompt F longer than H."""
+    out = []
+    for i in range(PFX["trials"]):
+        out.append({"seed": 3000 + i, "P": random_tokens(PFX["prefix"], 3000 + i),
+                    "tail": random_tokens(PFX["tail"], 3100 + i),
+                    "F": random_tokens(PFX["fresh"], 3200 + i)})
+    return out
+
+
+def spec_prompts() -> list[list[int]]:
+    """4 repetitive prompts (a random block repeated): ngram drafts fire on
+    them from the first step, and greedy output of the dummy model repeats
+    tokens (measured: runs of one token), which keeps them firing."""
+    out = []
+    for i, (block, n) in enumerate(((8, 96), (12, 128), (16, 160), (24, 192))):
+        b = random_tokens(block, 4000 + i)
+        out.append((b * (n // block + 1))[:n])
+    return out
 
 
 def long_requests(prefix: bool) -> list[dict]:

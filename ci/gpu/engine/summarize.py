@@ -37,7 +37,7 @@ BUG_KEYS = ("Cannot copy between CPU and CUDA", "Workspace is locked", "TurboQua
 def load(results_dir: Path) -> tuple[list[dict], dict]:
     rows: list[dict] = []
     calls: dict = {}
-    for f in sorted(results_dir.glob("c*_results.json")):
+    for f in sorted(results_dir.glob("[cp][0-9]*_results.json")):
         d = json.loads(f.read_text())
         call = d.get("call", f.stem.split("_")[0])
         for r in d["results"]:
@@ -239,6 +239,128 @@ def table_bench(rows: list[dict]) -> str:
     return "\n".join(out)
 
 
+def lp_diff(a: list, b: list) -> tuple[float | None, float | None, int]:
+    """Mean and max |a - b| over the positions both have."""
+    d = [abs(x - y) for x, y in zip(a or [], b or []) if x is not None and y is not None]
+    return (statistics.mean(d) if d else None, max(d) if d else None, len(d))
+
+
+def fmt_e(x: float | None) -> str:
+    return "" if x is None else f"{x:.2e}"
+
+
+def pfx_pair(a: dict, b: dict, first: str, second: str) -> dict:
+    """Trials of two pfx results (or of one, first vs second of each trial):
+    H's greedy tokens and tail prompt logprobs."""
+    ta, tb = a.get("trials") or [], b.get("trials") or []
+    xs = [x[first] for x in ta]
+    ys = [y[second] for y in tb]
+    c = compare({"short": xs}, {"short": ys})
+    plp = [lp_diff(x.get("prompt_lp"), y.get("prompt_lp")) for x, y in zip(xs, ys)]
+    means = [m for m, _, n in plp if m is not None]
+    maxes = [m for _, m, n in plp if m is not None]
+    cached = "/".join(f"{x.get('num_cached_tokens')}:{y.get('num_cached_tokens')}" for x, y in zip(xs, ys))
+    return {**c, "plp_mean": statistics.mean(means) if means else None, "plp_max": max(maxes) if maxes else None,
+            "plp_n": sum(n for *_, n in plp), "cached": cached}
+
+
+def table_pfx(rows: list[dict]) -> str:
+    """vllm#46460: H batched with a longer fresh prompt vs H alone, and the
+    reference noise (TurboQuant alone vs kv_cache_dtype auto alone)."""
+    by = {key(r): r for r in rows}
+    head = ("| release | variant | comparison | H cached tokens (per trial, a:b) | greedy tokens identical / trials | "
+            "first divergence per trial | tail prompt logprobs: mean / max abs d (positions) | "
+            "generated logprob mean abs d (agreed prefix) |")
+    out = [head, "|---|---|---|---|---|---|---|---|"]
+    for (rel, var, scn), r in sorted(by.items()):
+        if scn not in ("pfx", "pfx_auto") or not r.get("trials"):
+            continue
+        kv = "auto" if scn == "pfx_auto" else "TurboQuant"
+        pairs = [(r, r, "batched", "alone", f"{kv}: H batched with F vs H alone")]
+        auto = by.get((rel, "unpatched", "pfx_auto"))
+        if scn == "pfx" and auto and auto.get("trials"):
+            pairs.append((auto, r, "alone", "alone", "H alone: auto vs TurboQuant (reference noise)"))
+        for a, b, f, g, label in pairs:
+            c = pfx_pair(a, b, f, g)
+            fd = ",".join("-" if v is None else str(v) for v in c["first_divergence"])
+            out.append(f"| {rel} | {var} | {label} | {c['cached']} | {c['identical']}/{c['prompts']} | {fd} | "
+                       f"{fmt_e(c['plp_mean'])} / {fmt_e(c['plp_max'])} ({c['plp_n']}) | "
+                       f"{fmt_e(c['mean_abs_dlogprob'])} |")
+    return "\n".join(out)
+
+
+def div_gap(ref: dict, got: dict) -> str:
+    """First divergence of got from ref, and there the reference's logprob of
+    its own token minus that of got's token (a near-tie is a small gap)."""
+    a, b = ref["token_ids"], got["token_ids"]
+    j = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
+    if j is None:
+        return "-" if len(a) == len(b) else f"len {len(b)}"
+    d = (ref.get("logprobs") or [{}] * (j + 1))[j]
+    mine, other = d.get(str(a[j])), d.get(str(b[j]))
+    if mine is None:
+        return str(j)
+    gap = f"{mine - other:.3f}" if other is not None else f">{mine - min(d.values()):.2f}"
+    return f"{j} ({gap})"
+
+
+def spec_accept(r: dict) -> str:
+    """Accepted / proposed draft tokens over the batch-1 runs (counter deltas)."""
+    c = r.get("spec_counters") or {}
+    s0, s1 = c.get("start") or {}, c.get("bs1") or {}
+
+    def delta(part: str) -> float | None:
+        ks = [k for k in s1 if part in k and "per_pos" not in k and isinstance(s1[k], (int, float))]
+        return (s1[ks[0]] - (s0.get(ks[0]) or 0.0)) if ks else None
+
+    acc, drafts = delta("num_accepted_tokens"), delta("num_draft_tokens")
+    return f"{acc / drafts:.2f} ({acc:.0f}/{drafts:.0f})" if acc is not None and drafts else "?"
+
+
+def table_spec(rows: list[dict]) -> str:
+    """Greedy output with speculation vs without (sd_ref of the same tree)."""
+    by = {key(r): r for r in rows}
+    head = ("| release | variant | scenario | identical / prompts (batch 1) | first divergence per prompt (ref logprob "
+            "gap there) | chosen-token logprob mean / max abs d (agreed prefix) | batch of 4: identical | "
+            "acceptance (batch 1) | tok/s batch 1 / 4 |")
+    out = [head, "|---|---|---|---|---|---|---|---|---|"]
+    for (rel, var, scn), r in sorted(by.items()):
+        if not scn.startswith("sd") or scn == "sd_ref":
+            continue
+        ref = by.get((rel, var, "sd_ref"))
+        doc = S.SCENARIOS[scn]["doc"]
+        if r.get("outcome") != "ok" or not ref or not ref.get("spec_bs1"):
+            out.append(f"| {rel} | {var} | {scn}: {doc} | {cell(r) if r.get('outcome') != 'ok' else 'no sd_ref'} "
+                       "| | | | | |")
+            continue
+        c = compare({"short": ref["spec_bs1"]}, {"short": r["spec_bs1"]})
+        cb = compare({"short": ref["spec_batch"]["outputs"]}, {"short": r["spec_batch"]["outputs"]})
+        gaps = ", ".join(div_gap(x, y) for x, y in zip(ref["spec_bs1"], r["spec_bs1"]))
+        sp = r.get("eq_speed") or {}
+        speeds = " / ".join(str(v) for v in sp.values())
+        same_w = "" if r.get("weights_digest") == ref.get("weights_digest") else " **weights differ**"
+        out.append(f"| {rel} | {var} | {scn}: {doc}{same_w} | {c['identical']}/{c['prompts']} | {gaps} | "
+                   f"{fmt_e(c['mean_abs_dlogprob'])} / {fmt_e(c['max_abs_dlogprob'])} | "
+                   f"{cb['identical']}/{cb['prompts']} | {spec_accept(r)} | {speeds} |")
+    return "\n".join(out)
+
+
+def table_spec_speed(rows: list[dict]) -> str:
+    """The timed sdx_* runs (alone on the GPU): the fix against the
+    workarounds, as ratios to the patched full-graph async run."""
+    sx = [r for r in rows if r["scenario"].startswith("sdx_") and r.get("eq_speed")]
+    base = {r["release"]: r["eq_speed"] for r in sx if r["scenario"] == "sdx_fa" and r["variant"] == "patched"}
+    out = ["| release | variant | scenario | tok/s batch 1 | tok/s batch 4 | patched sdx_fa / this (batch 1, 4) |",
+           "|---|---|---|---|---|---|"]
+    for r in sorted(sx, key=lambda r: (r["release"], r["scenario"])):
+        b1, b4 = r["eq_speed"].get("bs1_tok_per_s"), r["eq_speed"].get("bs4_tok_per_s")
+        g = base.get(r["release"])
+        rat = f"{g['bs1_tok_per_s'] / b1:.2f} / {g['bs4_tok_per_s'] / b4:.2f}" if g and b1 and b4 else ""
+        out.append(f"| {r['release']} | {r['variant']} | {r['scenario']}: {S.SCENARIOS[r['scenario']]['doc']} | "
+                   f"{b1} | {b4} | {rat} |")
+    return "\n".join(out)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--results", default=str(REPO / "ci/gpu/results/engine"))
@@ -287,6 +409,23 @@ def main() -> int:
         "## 6. Continuation prefill on the wheels' flash-attn (tq_continuation_bench shapes)",
         "",
         table_bench(rows),
+        "",
+        "## 7. Prefix-cache hit batched with a longer fresh prompt (vllm#46460)",
+        "",
+        (f"H = P + tail (P {S.PFX['prefix']} tokens, cached; tail {S.PFX['tail']}), F a fresh prompt of "
+         f"{S.PFX['fresh']} tokens in the same step; {S.PFX['trials']} trials, {S.PFX['max_tokens']} greedy "
+         "tokens each; logprobs of H's last tail tokens (prompt logprobs) and of the generated ones."),
+        "",
+        table_pfx(rows),
+        "",
+        "## 8. Speculative decoding vs none (same tree; ngram, 3 draft tokens)",
+        "",
+        (f"{len(S.spec_prompts())} repetitive prompts, {S.SPEC_TOKENS} greedy tokens each, one at a time "
+         "(batch 1) then all at once; sdx_* ran alone on the GPU (their tok/s are the speed comparison)."),
+        "",
+        table_spec(rows),
+        "",
+        table_spec_speed(rows),
         "",
     ]
     text = "\n".join(parts)
