@@ -51,9 +51,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 import tqbatches as tb
-import tqharness as h
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
@@ -112,34 +110,14 @@ def attention(
 ) -> str:
     """The backend's flash-attn code paths on or off. Where the tree has no
     vLLM flash-attn (CPU), a float64 stand-in takes the kernel's place."""
-    return use_attention(request.param, env, monkeypatch)
+    return tb.use_attention(request.param, env, monkeypatch.setattr)
 
 
 @pytest.fixture
 def flash_attn(env: tb.Backend, monkeypatch: pytest.MonkeyPatch) -> str:
     """The flash-attn code paths (CUDA's default) alone: for batches whose
     rows all have context, which take the same kernels either way."""
-    return use_attention("flash-attn", env, monkeypatch)
-
-
-def use_attention(mode: str, env: tb.Backend, monkeypatch: pytest.MonkeyPatch) -> str:
-    if mode == "no-flash-attn":
-        monkeypatch.setattr(env.tq, "_HAS_FLASH_ATTN", False)
-    elif not env.tq._HAS_FLASH_ATTN:
-        monkeypatch.setattr(env.tq, "_HAS_FLASH_ATTN", True)
-        monkeypatch.setattr(
-            env.tq, "flash_attn_varlen_func", h.ReferenceFlashAttn(), raising=False
-        )
-    return mode
-
-
-def new_impl(env: tb.Backend, attention: str) -> tuple[Any, Any]:
-    impl = env.impl()
-    if attention == "flash-attn" and isinstance(
-        env.tq.flash_attn_varlen_func, h.ReferenceFlashAttn
-    ):
-        impl.fa_version = None  # the stand-in takes no version
-    return impl, env.layer(impl)
+    return tb.use_attention("flash-attn", env, monkeypatch.setattr)
 
 
 # --------------------------------------------------------------------------
@@ -211,45 +189,6 @@ def async_batches(draw: Any) -> tuple[list[Req], dict[int, int]]:
 
 
 # --------------------------------------------------------------------------
-# The oracle
-# --------------------------------------------------------------------------
-
-
-def own_tokens_only(batch: tb.Batch, i: int, impl: Any) -> torch.Tensor:
-    """Row ``i`` attending to its own new tokens alone, as a first chunk
-    (the #46460 symptom)."""
-    r, shape = batch.reqs[i], SHAPE
-    start = sum(x.q for x in batch.reqs[:i])
-    q = tb.plain(batch.query).cpu().double()[start : start + r.q]
-    k = batch.k_raw[i][r.cached :].double()
-    v = batch.v_raw[i][r.cached :].double()
-    out = tb.attend(q.reshape(r.q, shape.hq, shape.head), k, v, 0, impl.scale)
-    return out.reshape(r.q, -1)
-
-
-def check_rows(out: torch.Tensor, batch: tb.Batch, impl: Any, layer: Any) -> None:
-    """Every request's rows against the reference; the first wrong one is
-    reported with its batch and what it did, where that can be told."""
-    want = tb.reference(batch, impl, layer)
-    for i, (got, ref) in enumerate(zip(tb.rows(out, batch.reqs), want)):
-        err = (got - ref).abs().max().item() if got.isfinite().all() else float("inf")
-        if err <= tb.TOLERANCE:
-            continue
-        r = batch.reqs[i]
-        what = "differs from the reference"
-        if r.cached and (got - own_tokens_only(batch, i, impl)).abs().max().item() <= (
-            tb.TOLERANCE
-        ):
-            what = (
-                f"ignores its cached context (attends to its own {r.q} new tokens only)"
-            )
-        raise AssertionError(
-            f"request {i} {r!r} of batch {batch.reqs}: {what}: max |out - "
-            f"reference| = {err:.3g} > {tb.TOLERANCE}"
-        )
-
-
-# --------------------------------------------------------------------------
 # Eager steps
 # --------------------------------------------------------------------------
 
@@ -260,12 +199,12 @@ def check_rows(out: torch.Tensor, batch: tb.Batch, impl: Any, layer: Any) -> Non
 def test_every_batch_matches_reference(env, attention, reqs, pad, seed) -> None:
     """Eager steps of any batch (``pad`` tokens padded for a piecewise
     graph: they reach the cache update, not the metadata)."""
-    impl, layer = new_impl(env, attention)
+    impl, layer = tb.new_impl(env, attention)
     batch = tb.make_batch(
         env, impl, layer, reqs, seed, pad_tokens=pad, store_context=False
     )
     meta = env.builder().build(0, batch.cam)
-    check_rows(tb.run_step(impl, layer, batch, meta), batch, impl, layer)
+    tb.check_rows(tb.run_step(impl, layer, batch, meta), batch, impl, layer)
 
 
 @pytest.mark.bug_signature(AssertionError, IGNORES_CONTEXT)
@@ -273,11 +212,11 @@ def test_prefix_hit_batched_with_longer_fresh_prompt(env, attention) -> None:
     """vllm#46460 as users met it: a prefix-cache hit (32 cached tokens, 16
     new) in the same step as a fresh 48-token prompt. Both maxima are 48,
     which the flash-attn fast path read as "no request has cached context"."""
-    impl, layer = new_impl(env, attention)
+    impl, layer = tb.new_impl(env, attention)
     reqs = [Req(0, 48), Req(32, 16)]
     batch = tb.make_batch(env, impl, layer, reqs, seed=46460)
     meta = env.builder().build(0, batch.cam)
-    check_rows(tb.run_step(impl, layer, batch, meta), batch, impl, layer)
+    tb.check_rows(tb.run_step(impl, layer, batch, meta), batch, impl, layer)
 
 
 # --------------------------------------------------------------------------
@@ -291,7 +230,7 @@ def test_prefix_hit_batched_with_longer_fresh_prompt(env, attention) -> None:
 @given(batch=uniform_batches(), seed=st.integers(0, 1 << 16))
 def test_graph_replay_matches_eager(env, flash_attn, batch, seed) -> None:
     reqs, pad = batch
-    impl, layer = new_impl(env, flash_attn)
+    impl, layer = tb.new_impl(env, flash_attn)
     real = tb.make_batch(
         env,
         impl,
@@ -302,19 +241,7 @@ def test_graph_replay_matches_eager(env, flash_attn, batch, seed) -> None:
         pad_reqs=pad,
         store_context=False,
     )
-    builder = env.builder()
-    captured, bufs = tb.capture_metadata(builder, real, watch=True)
-    tb.run_step(impl, layer, real, captured)  # the capture: dummy contents
-    tb.refill(bufs, real)
-    replayed = tb.run_step(impl, layer, real, captured)
-    eager = tb.run_step(impl, layer, real, builder.build(0, real.cam))
-    if not torch.equal(replayed, eager):
-        diff = (replayed.double() - eager.double()).abs().max().item()
-        raise AssertionError(
-            f"replay differs from eager: batch {reqs} with {pad} padding rows: "
-            f"max |replay - eager| = {diff:.3g}"
-        )
-    check_rows(replayed, real, impl, layer)
+    tb.check_replay(env, impl, layer, real, pad)
 
 
 # --------------------------------------------------------------------------
@@ -327,19 +254,5 @@ def test_graph_replay_matches_eager(env, flash_attn, batch, seed) -> None:
 @given(batch=async_batches(), seed=st.integers(0, 1 << 16))
 def test_async_host_upper_bound(env, flash_attn, batch, seed) -> None:
     reqs, over = batch
-    impl, layer = new_impl(env, flash_attn)
-    builder = env.builder()
-    exact = tb.make_batch(env, impl, layer, reqs, seed, store_context=False)
-    want = tb.run_step(impl, layer, exact, builder.build(0, exact.cam))
-    optimistic = tb.make_batch(
-        env, impl, layer, reqs, seed, optimistic=over, store_context=False
-    )
-    got = tb.run_step(impl, layer, optimistic, builder.build(0, optimistic.cam))
-    if not torch.equal(got, want):
-        diff = (got.double() - want.double()).abs().max().item()
-        raise AssertionError(
-            "continuation seq_lens follow the host upper bound: batch "
-            f"{reqs}, host seq_lens over by {over}: the output differs from "
-            f"the one with exact host seq_lens by {diff:.3g}"
-        )
-    check_rows(got, optimistic, impl, layer)
+    impl, layer = tb.new_impl(env, flash_attn)
+    tb.check_async(env, impl, layer, reqs, over, seed)
