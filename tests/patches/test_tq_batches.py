@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -124,22 +125,44 @@ def flash_attn(env: tb.Backend, monkeypatch: pytest.MonkeyPatch) -> str:
 # Batches the scheduler forms
 # --------------------------------------------------------------------------
 
-cached = st.integers(1, MAX_CACHED)
-decode = st.builds(Req, cached, st.just(1))
-fresh_prompt = st.builds(Req, st.just(0), st.integers(2, MAX_CACHED))
-# Chunks on both sides of the threshold.
-continuation = st.builds(Req, cached, st.integers(2, 2 * THRESHOLD))
-verification = st.builds(Req, cached, st.integers(2, 4))  # 1 + k drafts
+
+@dataclass(frozen=True)
+class Limits:
+    """What the generated batches range over: the KV block size (prefix
+    hits share whole blocks), the longest cached context, the continuation
+    threshold (chunks are drawn on both sides of it)."""
+
+    block: int
+    max_cached: int
+    threshold: int
+
+    def cached(self) -> Any:
+        return st.integers(1, self.max_cached)
+
+    def decode(self) -> Any:
+        return st.builds(Req, self.cached(), st.just(1))
+
+    def fresh_prompt(self) -> Any:
+        return st.builds(Req, st.just(0), st.integers(2, self.max_cached))
+
+    def continuation(self) -> Any:
+        return st.builds(Req, self.cached(), st.integers(2, 2 * self.threshold))
+
+    def verification(self) -> Any:
+        return st.builds(Req, self.cached(), st.integers(2, 4))  # 1 + k drafts
+
+
+LIMITS = Limits(BLOCK, MAX_CACHED, THRESHOLD)
 
 
 @st.composite
-def with_prefix_hits(draw: Any, reqs: list[Req]) -> list[Req]:
+def with_prefix_hits(draw: Any, reqs: list[Req], block: int) -> list[Req]:
     """Some rows turned into prefix-cache hits: their first cached blocks
     are another row's (one that is no hit itself and has cached them)."""
     links = draw(st.lists(st.tuples(st.integers(0, 7), st.integers(0, 7)), max_size=2))
     for a, b in links:
         i, j = a % len(reqs), b % len(reqs)
-        most = min(reqs[i].cached, reqs[j].cached) // BLOCK
+        most = min(reqs[i].cached, reqs[j].cached) // block
         targets = {r.prefix[0] for r in reqs if r.prefix is not None}
         if i == j or most == 0 or reqs[j].prefix or reqs[i].prefix or i in targets:
             continue
@@ -149,40 +172,46 @@ def with_prefix_hits(draw: Any, reqs: list[Req]) -> list[Req]:
 
 
 @st.composite
-def mixed_batches(draw: Any) -> list[Req]:
+def mixed_batches(draw: Any, lim: Limits = LIMITS) -> list[Req]:
     """Any step: decodes first, then first chunks, continuations and
     verification rows in any order, some sharing prefix blocks."""
-    decodes = draw(st.lists(decode, max_size=3))
+    decodes = draw(st.lists(lim.decode(), max_size=3))
     rest = draw(
         st.lists(
-            st.one_of(fresh_prompt, continuation, verification), min_size=1, max_size=3
+            st.one_of(lim.fresh_prompt(), lim.continuation(), lim.verification()),
+            min_size=1,
+            max_size=3,
         )
     )
-    return draw(with_prefix_hits(decodes + rest))
+    return draw(with_prefix_hits(decodes + rest, lim.block))
 
 
 @st.composite
-def uniform_batches(draw: Any) -> tuple[list[Req], int]:
+def uniform_batches(draw: Any, lim: Limits = LIMITS) -> tuple[list[Req], int]:
     """What full CUDA graphs are replayed for: every row a decode or a
     verification of the same 1 + k tokens, and the rows the runner pads
     the batch with up to the graph's size."""
     q = draw(st.integers(1, 4))
-    reqs = draw(st.lists(st.builds(Req, cached, st.just(q)), min_size=1, max_size=3))
-    return draw(with_prefix_hits(reqs)), draw(st.integers(0, 2))
+    reqs = draw(
+        st.lists(st.builds(Req, lim.cached(), st.just(q)), min_size=1, max_size=3)
+    )
+    return draw(with_prefix_hits(reqs, lim.block)), draw(st.integers(0, 2))
 
 
 @st.composite
-def async_batches(draw: Any) -> tuple[list[Req], dict[int, int]]:
+def async_batches(draw: Any, lim: Limits = LIMITS) -> tuple[list[Req], dict[int, int]]:
     """Async spec decode: decodes and verification rows (then chunked
     continuations); rows whose drafts were partly rejected have a host
     seq_len up to k past the device one."""
     k = draw(st.integers(1, 3))
-    decodes = draw(st.lists(decode, max_size=2))
+    decodes = draw(st.lists(lim.decode(), max_size=2))
     spec = draw(
-        st.lists(st.builds(Req, cached, st.integers(2, 1 + k)), min_size=1, max_size=3)
+        st.lists(
+            st.builds(Req, lim.cached(), st.integers(2, 1 + k)), min_size=1, max_size=3
+        )
     )
-    rest = draw(st.lists(continuation, max_size=1))
-    reqs = draw(with_prefix_hits(decodes + spec + rest))
+    rest = draw(st.lists(lim.continuation(), max_size=1))
+    reqs = draw(with_prefix_hits(decodes + spec + rest, lim.block))
     rows = st.sampled_from(range(len(decodes), len(decodes) + len(spec)))
     over = draw(st.dictionaries(rows, st.integers(1, k), min_size=1))
     return reqs, over

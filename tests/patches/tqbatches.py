@@ -818,7 +818,7 @@ TOLERANCE = 2e-2
 # UltraQuant computes in bf16 (relative 2^-8): its outputs, its rotated
 # queries on the dequantize-and-attend paths, and the softmax weights of its
 # Triton kernel. Measured: at most 0.028 over test_uq_attention.py and
-# test_uq_workspace.py; the bugs they catch are off by 6 or more.
+# test_uq_workspace.py; the bugs they catch are off by 2.8 or more.
 UQ_TOLERANCE = 6e-2
 
 
