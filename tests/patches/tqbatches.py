@@ -909,15 +909,19 @@ def check_replay(
     for its capture built from the runner's dummy values, run with the
     device tensors unreadable on the host, then the device buffers refilled
     with ``real`` and run again with the capture-time host values, as a
-    replay does. It must equal an eager step bit for bit, and be right."""
+    replay does. It must equal an eager step bit for bit (TurboQuant) or
+    within the tolerance (UltraQuant: its Triton kernel picks its 2D or
+    split-KV launch by the host max_seq_len, the capture's max_model_len
+    or a step's own, which round differently), and be right."""
     builder = backend.builder()
     captured, bufs = capture_metadata(builder, real, watch=True)
     run_step(impl, layer, real, captured)  # the capture: dummy contents
     refill(bufs, real)
     replayed = run_step(impl, layer, real, captured)
     eager = run_step(impl, layer, real, builder.build(0, real.cam))
-    if not torch.equal(replayed, eager):
-        diff = (replayed.double() - eager.double()).abs().max().item()
+    diff = (replayed.double() - eager.double()).abs().max().item()
+    exact = not h.is_ultraquant(impl.kv_cache_dtype)
+    if not (torch.equal(replayed, eager) if exact else diff <= tolerance(impl)):
         raise AssertionError(
             f"replay differs from eager: batch {real.reqs} with {pad} padding "
             f"rows: max |replay - eager| = {diff:.3g}"
