@@ -8,8 +8,10 @@
 # tests on CUDA), newest (the three on the newest stack, tq-v0.33 on
 # v0.33.0: trees tq33-base, tq33-patched), batches (the differential test's
 # long mode on both patched stacks), fix (a proposed change,
-# ci/gpu/proposed/, benchmarked against (b) and tested); default the first
-# three. DEADLINE_S (default
+# ci/gpu/proposed/, benchmarked against (b) and tested), uq (UltraQuant,
+# tq-v0.33/0004-0007: uq_cudagraph.py's real full-graph capture and replay on
+# tq33-base and tq33-patched, and the UltraQuant tests on tq33-patched);
+# default the first three. DEADLINE_S (default
 # 570): every part gets what is left of it, so the summary is always written. Results go to $OUT
 # (tq_cudagraph.json, tq_continuation_bench.json, tests.json, tables.md,
 # logs.tar.gz, run.log); the summary tables are printed last.
@@ -137,6 +139,19 @@ if has fix; then
   else
     echo "== fix: no .gpu/tq-fix.tar.gz (pack.sh builds it from ci/gpu/proposed/)"
   fi
+fi
+
+if has uq; then
+  # UltraQuant (ROCm's backend; its Triton kernels run on CUDA too, FlyDSL
+  # does not): a full graph captured on the runner's dummy metadata and
+  # replayed with real verification batches, against eager and float64.
+  for v in base:tq33-base patched:tq33-patched; do
+    run uqcg33_${v%%:*} 150 $PY ci/gpu/uq_cudagraph.py --tree $T/${v#*:} \
+      --label ${v%%:*} --out $W/uqcg33_${v%%:*}.json
+    cp $W/uqcg33_${v%%:*}.json "$OUT/" 2>/dev/null
+  done
+  BASE_TREE= pt uq33_patched tq33-patched tests/patches/test_uq_attention.py \
+    tests/patches/test_uq_workspace.py tests/patches/test_uq_batches.py
 fi
 
 $PY ci/gpu/summarize.py --work "$W" --out "$OUT" > "$W/summary.log" 2>&1 || tail -n 30 "$W/summary.log"

@@ -375,10 +375,11 @@ def tests(work: Path, lines: list[str]) -> dict:
         "tq_fix",
         "tq33_patched",
         "tq33_base_regression",
+        "uq33_patched",
     ):
         p = work / f"junit_{name}.xml"
-        if not p.exists() and name.startswith("tq33") and name not in rcs:
-            continue  # the newest part was not asked for
+        if not p.exists() and name.startswith(("tq33", "uq33")) and name not in rcs:
+            continue  # the newest or the uq part was not asked for
         if not p.exists():
             status = (
                 "not run"

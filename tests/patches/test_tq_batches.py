@@ -48,13 +48,12 @@ from __future__ import annotations
 import os
 import sys
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 import tqbatches as tb
-import tqharness as h
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
@@ -113,56 +112,58 @@ def attention(
 ) -> str:
     """The backend's flash-attn code paths on or off. Where the tree has no
     vLLM flash-attn (CPU), a float64 stand-in takes the kernel's place."""
-    return use_attention(request.param, env, monkeypatch)
+    return tb.use_attention(request.param, env, monkeypatch.setattr)
 
 
 @pytest.fixture
 def flash_attn(env: tb.Backend, monkeypatch: pytest.MonkeyPatch) -> str:
     """The flash-attn code paths (CUDA's default) alone: for batches whose
     rows all have context, which take the same kernels either way."""
-    return use_attention("flash-attn", env, monkeypatch)
-
-
-def use_attention(mode: str, env: tb.Backend, monkeypatch: pytest.MonkeyPatch) -> str:
-    if mode == "no-flash-attn":
-        monkeypatch.setattr(env.tq, "_HAS_FLASH_ATTN", False)
-    elif not env.tq._HAS_FLASH_ATTN:
-        monkeypatch.setattr(env.tq, "_HAS_FLASH_ATTN", True)
-        monkeypatch.setattr(
-            env.tq, "flash_attn_varlen_func", h.ReferenceFlashAttn(), raising=False
-        )
-    return mode
-
-
-def new_impl(env: tb.Backend, attention: str) -> tuple[Any, Any]:
-    impl = env.impl()
-    if attention == "flash-attn" and isinstance(
-        env.tq.flash_attn_varlen_func, h.ReferenceFlashAttn
-    ):
-        impl.fa_version = None  # the stand-in takes no version
-    return impl, env.layer(impl)
+    return tb.use_attention("flash-attn", env, monkeypatch.setattr)
 
 
 # --------------------------------------------------------------------------
 # Batches the scheduler forms
 # --------------------------------------------------------------------------
 
-cached = st.integers(1, MAX_CACHED)
-decode = st.builds(Req, cached, st.just(1))
-fresh_prompt = st.builds(Req, st.just(0), st.integers(2, MAX_CACHED))
-# Chunks on both sides of the threshold.
-continuation = st.builds(Req, cached, st.integers(2, 2 * THRESHOLD))
-verification = st.builds(Req, cached, st.integers(2, 4))  # 1 + k drafts
+
+@dataclass(frozen=True)
+class Limits:
+    """What the generated batches range over: the KV block size (prefix
+    hits share whole blocks), the longest cached context, the continuation
+    threshold (chunks are drawn on both sides of it)."""
+
+    block: int
+    max_cached: int
+    threshold: int
+
+    def cached(self) -> Any:
+        return st.integers(1, self.max_cached)
+
+    def decode(self) -> Any:
+        return st.builds(Req, self.cached(), st.just(1))
+
+    def fresh_prompt(self) -> Any:
+        return st.builds(Req, st.just(0), st.integers(2, self.max_cached))
+
+    def continuation(self) -> Any:
+        return st.builds(Req, self.cached(), st.integers(2, 2 * self.threshold))
+
+    def verification(self) -> Any:
+        return st.builds(Req, self.cached(), st.integers(2, 4))  # 1 + k drafts
+
+
+LIMITS = Limits(BLOCK, MAX_CACHED, THRESHOLD)
 
 
 @st.composite
-def with_prefix_hits(draw: Any, reqs: list[Req]) -> list[Req]:
+def with_prefix_hits(draw: Any, reqs: list[Req], block: int) -> list[Req]:
     """Some rows turned into prefix-cache hits: their first cached blocks
     are another row's (one that is no hit itself and has cached them)."""
     links = draw(st.lists(st.tuples(st.integers(0, 7), st.integers(0, 7)), max_size=2))
     for a, b in links:
         i, j = a % len(reqs), b % len(reqs)
-        most = min(reqs[i].cached, reqs[j].cached) // BLOCK
+        most = min(reqs[i].cached, reqs[j].cached) // block
         targets = {r.prefix[0] for r in reqs if r.prefix is not None}
         if i == j or most == 0 or reqs[j].prefix or reqs[i].prefix or i in targets:
             continue
@@ -172,102 +173,71 @@ def with_prefix_hits(draw: Any, reqs: list[Req]) -> list[Req]:
 
 
 @st.composite
-def mixed_batches(draw: Any) -> list[Req]:
+def mixed_batches(draw: Any, lim: Limits = LIMITS) -> list[Req]:
     """Any step: decodes first, then first chunks, continuations and
     verification rows in any order, some sharing prefix blocks. A first
     chunk is sometimes exactly as long as the step's longest sequence: the
     boundary where the longest query is the longest sequence."""
-    decodes = draw(st.lists(decode, max_size=3))
+    decodes = draw(st.lists(lim.decode(), max_size=3))
     rest = draw(
         st.lists(
-            st.one_of(fresh_prompt, continuation, verification), min_size=1, max_size=3
+            st.one_of(lim.fresh_prompt(), lim.continuation(), lim.verification()),
+            min_size=1,
+            max_size=3,
         )
     )
     fresh = [i for i, r in enumerate(rest) if r.cached == 0]
     if fresh and draw(st.booleans()):
         i = draw(st.sampled_from(fresh))
         rest[i] = Req(0, max(r.seq for r in decodes + rest))
-    return draw(with_prefix_hits(decodes + rest))
+    return draw(with_prefix_hits(decodes + rest, lim.block))
 
 
 @st.composite
-def uniform_batches(draw: Any) -> tuple[list[Req], int]:
+def uniform_batches(draw: Any, lim: Limits = LIMITS) -> tuple[list[Req], int]:
     """What full CUDA graphs are replayed for: every row a decode or a
     verification of the same 1 + k tokens, and the rows the runner pads
     the batch with up to the graph's size."""
     q = draw(st.integers(1, 4))
-    reqs = draw(st.lists(st.builds(Req, cached, st.just(q)), min_size=1, max_size=3))
-    return draw(with_prefix_hits(reqs)), draw(st.integers(0, 2))
+    reqs = draw(
+        st.lists(st.builds(Req, lim.cached(), st.just(q)), min_size=1, max_size=3)
+    )
+    return draw(with_prefix_hits(reqs, lim.block)), draw(st.integers(0, 2))
 
 
 @st.composite
-def async_batches(draw: Any) -> tuple[list[Req], dict[int, int]]:
+def async_batches(draw: Any, lim: Limits = LIMITS) -> tuple[list[Req], dict[int, int]]:
     """Async spec decode: decodes and verification rows (then chunked
     continuations); rows whose drafts were partly rejected have a host
     seq_len up to k past the device one."""
     k = draw(st.integers(1, 3))
-    decodes = draw(st.lists(decode, max_size=2))
+    decodes = draw(st.lists(lim.decode(), max_size=2))
     spec = draw(
-        st.lists(st.builds(Req, cached, st.integers(2, 1 + k)), min_size=1, max_size=3)
+        st.lists(
+            st.builds(Req, lim.cached(), st.integers(2, 1 + k)), min_size=1, max_size=3
+        )
     )
-    rest = draw(st.lists(continuation, max_size=1))
-    reqs = draw(with_prefix_hits(decodes + spec + rest))
+    rest = draw(st.lists(lim.continuation(), max_size=1))
+    reqs = draw(with_prefix_hits(decodes + spec + rest, lim.block))
     rows = st.sampled_from(range(len(decodes), len(decodes) + len(spec)))
     over = draw(st.dictionaries(rows, st.integers(1, k), min_size=1))
     return reqs, over
 
 
 # --------------------------------------------------------------------------
-# The oracle
+# The tolerance actually needed
 # --------------------------------------------------------------------------
-
-
-def own_tokens_only(batch: tb.Batch, i: int, impl: Any) -> torch.Tensor:
-    """Row ``i`` attending to its own new tokens alone, as a first chunk
-    (the #46460 symptom)."""
-    r, shape = batch.reqs[i], SHAPE
-    start = sum(x.q for x in batch.reqs[:i])
-    q = tb.plain(batch.query).cpu().double()[start : start + r.q]
-    k = batch.k_raw[i][r.cached :].double()
-    v = batch.v_raw[i][r.cached :].double()
-    out = tb.attend(q.reshape(r.q, shape.hq, shape.head), k, v, 0, impl.scale)
-    return out.reshape(r.q, -1)
-
-
-WORST = {"error": 0.0}  # the largest error of a passing row (the long mode prints it)
 
 
 @pytest.fixture(scope="module", autouse=True)
 def report_worst() -> Iterator[None]:
+    """The long mode prints the largest error of a row that passed."""
     yield
     if LONG:
         print(
             f"\ntest_tq_batches: largest |out - reference| of a passing row: "
-            f"{WORST['error']:.3g} (tolerance {tb.TOLERANCE})",
+            f"{tb.WORST['error']:.3g} (tolerance {tb.TOLERANCE})",
             file=sys.__stderr__,
-        )
-
-
-def check_rows(out: torch.Tensor, batch: tb.Batch, impl: Any, layer: Any) -> None:
-    """Every request's rows against the reference; the first wrong one is
-    reported with its batch and what it did, where that can be told."""
-    want = tb.reference(batch, impl, layer)
-    for i, (got, ref) in enumerate(zip(tb.rows(out, batch.reqs), want)):
-        err = (got - ref).abs().max().item() if got.isfinite().all() else float("inf")
-        if err <= tb.TOLERANCE:
-            WORST["error"] = max(WORST["error"], err)
-            continue
-        r = batch.reqs[i]
-        what = "differs from the reference"
-        if r.cached and (got - own_tokens_only(batch, i, impl)).abs().max().item() <= (
-            tb.TOLERANCE
-        ):
-            what = (
-                f"ignores its cached context (attends to its own {r.q} new tokens only)"
-            )
-        raise AssertionError(
-            f"request {i} {r!r} of batch {batch.reqs}: {what}: max |out - "
-            f"reference| = {err:.3g} > {tb.TOLERANCE}"
         )
 
 
@@ -283,12 +253,12 @@ def test_every_batch_matches_reference(env, attention, reqs, pad, seed) -> None:
     """Eager steps of any batch (``pad`` tokens padded for a piecewise
     graph: they reach the cache update, not the metadata), with the
     metadata's device tensors unreadable on the host (a sync)."""
-    impl, layer = new_impl(env, attention)
+    impl, layer = tb.new_impl(env, attention)
     batch = tb.make_batch(
         env, impl, layer, reqs, seed, pad_tokens=pad, store_context=False
     )
     meta = env.builder().build(0, tb.watched(batch.cam))
-    check_rows(tb.run_step(impl, layer, batch, meta), batch, impl, layer)
+    tb.check_rows(tb.run_step(impl, layer, batch, meta), batch, impl, layer)
 
 
 @pytest.mark.bug_signature(AssertionError, IGNORES_CONTEXT)
@@ -296,11 +266,11 @@ def test_prefix_hit_batched_with_longer_fresh_prompt(env, attention) -> None:
     """vllm#46460 as users met it: a prefix-cache hit (32 cached tokens, 16
     new) in the same step as a fresh 48-token prompt. Both maxima are 48,
     which the flash-attn fast path read as "no request has cached context"."""
-    impl, layer = new_impl(env, attention)
+    impl, layer = tb.new_impl(env, attention)
     reqs = [Req(0, 48), Req(32, 16)]
     batch = tb.make_batch(env, impl, layer, reqs, seed=46460)
     meta = env.builder().build(0, batch.cam)
-    check_rows(tb.run_step(impl, layer, batch, meta), batch, impl, layer)
+    tb.check_rows(tb.run_step(impl, layer, batch, meta), batch, impl, layer)
 
 
 # --------------------------------------------------------------------------
@@ -314,7 +284,7 @@ def test_prefix_hit_batched_with_longer_fresh_prompt(env, attention) -> None:
 @given(batch=uniform_batches(), seed=st.integers(0, 1 << 16))
 def test_graph_replay_matches_eager(env, flash_attn, batch, seed) -> None:
     reqs, pad = batch
-    impl, layer = new_impl(env, flash_attn)
+    impl, layer = tb.new_impl(env, flash_attn)
     real = tb.make_batch(
         env,
         impl,
@@ -325,19 +295,7 @@ def test_graph_replay_matches_eager(env, flash_attn, batch, seed) -> None:
         pad_reqs=pad,
         store_context=False,
     )
-    builder = env.builder()
-    captured, bufs = tb.capture_metadata(builder, real, watch=True)
-    tb.run_step(impl, layer, real, captured)  # the capture: dummy contents
-    tb.refill(bufs, real)
-    replayed = tb.run_step(impl, layer, real, captured)
-    eager = tb.run_step(impl, layer, real, builder.build(0, real.cam))
-    if not torch.equal(replayed, eager):
-        diff = (replayed.double() - eager.double()).abs().max().item()
-        raise AssertionError(
-            f"replay differs from eager: batch {reqs} with {pad} padding rows: "
-            f"max |replay - eager| = {diff:.3g}"
-        )
-    check_rows(replayed, real, impl, layer)
+    tb.check_replay(env, impl, layer, real, pad)
 
 
 # --------------------------------------------------------------------------
@@ -350,19 +308,5 @@ def test_graph_replay_matches_eager(env, flash_attn, batch, seed) -> None:
 @given(batch=async_batches(), seed=st.integers(0, 1 << 16))
 def test_async_host_upper_bound(env, flash_attn, batch, seed) -> None:
     reqs, over = batch
-    impl, layer = new_impl(env, flash_attn)
-    builder = env.builder()
-    exact = tb.make_batch(env, impl, layer, reqs, seed, store_context=False)
-    want = tb.run_step(impl, layer, exact, builder.build(0, exact.cam))
-    optimistic = tb.make_batch(
-        env, impl, layer, reqs, seed, optimistic=over, store_context=False
-    )
-    got = tb.run_step(impl, layer, optimistic, builder.build(0, optimistic.cam))
-    if not torch.equal(got, want):
-        diff = (got.double() - want.double()).abs().max().item()
-        raise AssertionError(
-            "continuation seq_lens follow the host upper bound: batch "
-            f"{reqs}, host seq_lens over by {over}: the output differs from "
-            f"the one with exact host seq_lens by {diff:.3g}"
-        )
-    check_rows(got, optimistic, impl, layer)
+    impl, layer = tb.new_impl(env, flash_attn)
+    tb.check_async(env, impl, layer, reqs, over, seed)

@@ -1,4 +1,4 @@
-"""Targeted tests of tq/0003 and tq-v0.33/0004: TurboQuant KV cache on hybrid
+"""Targeted tests of tq/0003 and tq-v0.33/0008: TurboQuant KV cache on hybrid
 models.
 
 v0.20.2's ``EngineArgs.create_engine_config`` refuses ``turboquant_*`` KV
@@ -54,7 +54,7 @@ bug everywhere: tests that need a hybrid TurboQuant engine config carry the
 gate's signature. Upstream #39931 (v0.21.0) lifted the gate and sizes the
 hybrid page from TurboQuant's slot, as tq/0003 does.
 
-v0.28.0-v0.33.0 have the bug of tq-v0.33/0004 (``SKIP_PADDED``): with
+v0.28.0-v0.33.0 have the bug of tq-v0.33/0008 (``SKIP_PADDED``): with
 skip layers on a hybrid, a block-size step after the hybrid planning prices
 TurboQuant through the first attention layer's backend and leaves
 full-attention skip pages the largest, so every page is padded up to them
@@ -783,7 +783,7 @@ def test_hybrid_page_size_unifies_with_mamba(
 
 
 # --------------------------------------------------------------------------
-# Regression (tq-v0.33/0004): skip layers on a hybrid
+# Regression (tq-v0.33/0008): skip layers on a hybrid
 # --------------------------------------------------------------------------
 
 # v0.33.0 prices the TurboQuant layers through the first attention layer's

@@ -32,7 +32,6 @@ import torch
 import tqharness as h
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 HAS_CUDA = torch.cuda.is_available()
@@ -616,32 +615,6 @@ def test_reserved_workspace_independent_of_max_model_len(
     assert 0 < h.workspace_bytes() <= full_dequant_1m // 32
 
 
-def _new_storage_sizes(fn) -> set[int]:
-    """The sizes of every storage any op creates while fn runs (views of
-    existing storage excluded)."""
-
-    class Spy(TorchDispatchMode):
-        sizes: set[int] = set()
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            out = func(*args, **(kwargs or {}))
-            seen = {
-                t.untyped_storage().data_ptr()
-                for t in tree_leaves((args, kwargs))
-                if isinstance(t, torch.Tensor)
-            }
-            for t in tree_leaves(out):
-                if isinstance(t, torch.Tensor):
-                    storage = t.untyped_storage()
-                    if storage.data_ptr() not in seen:
-                        Spy.sizes.add(storage.nbytes())
-            return out
-
-    with Spy():
-        fn()
-    return Spy.sizes
-
-
 @pytest.mark.bug_signature(AssertionError, LOCKED_WORKSPACE)
 @pytest.mark.bug_signature(AssertionError, r"^temporaries grow with the context")
 @pytest.mark.bug_signature(AssertionError, r"^a flash-attn call spans more than")
@@ -681,7 +654,7 @@ def test_continuation_temporaries_bounded_by_tile(
         run_batch(
             tq,
             reqs,
-            around_forward=lambda fn, o=spied: o.append(_new_storage_sizes(fn)),
+            around_forward=lambda fn, o=spied: o.append(h.new_storage_sizes(fn)),
         )
         sizes[cached_len] = spied[0]
     small, large = sizes.values()

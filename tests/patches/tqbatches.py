@@ -1,5 +1,6 @@
 """Batches as vLLM's scheduler and model runner form them, run through a
-tree's TurboQuant backend, and the float64 reference every row must match.
+tree's TurboQuant backend (or UltraQuant, its v0.32.0+ subclass: the preset
+``ultraquant_4bit``), and the float64 reference every row must match.
 
 Built on ``tqharness`` (config, impl, builder, cache layout, metadata of the
 tree under test); shared by test_tq_host_metadata.py (hand-picked batches)
@@ -17,6 +18,9 @@ API:
     The test shapes, and a ``Backend``: the tree's TurboQuant module, a
     real config and the KV cache spec of a real TurboQuant layer, with the
     workspace manager made first, as the runner does. ``close_backend()``.
+``UQ_SHAPE`` / ``open_ultraquant(tree, model_dir, setattr, shape, threshold,
+**config)``
+    The same for UltraQuant (skipped before v0.32.0).
 ``Backend.impl()`` / ``.layer(impl)`` / ``.builder()``
     A bare impl, the layer state it reads (centroids), the builder.
 ``Req(cached, q, prefix=None)``
@@ -34,7 +38,18 @@ pad_reqs=0)``
     dummy values), and what a replay changes: the device buffers' contents.
 ``reference(batch, impl, layer)`` / ``row_paths(reqs, threshold)``
     Each row's expected output in float64, over K/V read back from the
-    cache bytes by ``dequant`` (not with vLLM's kernels).
+    cache bytes by ``dequant`` / ``uq_dequant`` (not with vLLM's kernels).
+``check_rows(out, batch, impl, layer)``
+    Every request's rows within ``tolerance(impl)`` of the reference, or an
+    AssertionError naming the first wrong request, its batch and what it
+    did where that can be told ("ignores its cached context": vllm#46460).
+``use_attention(mode, backend, setattr)`` / ``new_impl(backend, mode)``
+    flash-attn's code paths on or off (a float64 stand-in where the tree has
+    no vLLM flash-attn), and an impl for that mode.
+``check_replay(backend, impl, layer, real, pad)`` / ``check_async(backend,
+impl, layer, reqs, over, seed)``
+    A full-graph capture and replay against an eager step; async host upper
+    bounds against exact ones (bit-identical, and right).
 ``device_only(t)`` / ``plain(t)`` / ``watched(cam)`` / ``HostReadError``
     The host-read detector: device tensors of the metadata that vLLM code
     must not read on the host (a sync; a crash under graph capture).
@@ -187,6 +202,12 @@ class Backend:
     tree: Path
     shape: Shape
 
+    @property
+    def modules(self) -> tuple[Any, ...]:
+        """The modules whose globals the backend reads (UltraQuant's copies
+        TurboQuant's flags at import: patch both)."""
+        return h.backend_modules(self.shape.preset)
+
     def __repr__(self) -> str:  # keep hypothesis' failure reports short
         return f"Backend({self.shape.preset})"
 
@@ -195,9 +216,12 @@ class Backend:
 
     def impl(self, tq: Any = None) -> Any:
         s = self.shape
-        return h.tq_impl(self.config, s.hq, s.head, s.hk, s.preset, tq or self.tq)
+        module = tq or self.modules[-1]
+        return h.tq_impl(self.config, s.hq, s.head, s.hk, s.preset, module)
 
     def layer(self, impl: Any) -> torch.nn.Module:
+        if h.is_ultraquant(self.shape.preset):
+            return torch.nn.Module()  # no centroids: FP4 codes, UE8M0 scales
         return h.centroids_layer(impl, self.shape.head, DEVICE)
 
     def builder(self, tq: Any = None) -> Any:
@@ -206,9 +230,12 @@ class Backend:
         )
 
 
-def open_backend(tree: Path, model_dir: Path, shape: Shape, setattr: Any) -> Backend:
+def open_backend(
+    tree: Path, model_dir: Path, shape: Shape, setattr: Any, **config: Any
+) -> Backend:
     """The tree's TurboQuant backend under a real config for a tiny model of
-    ``shape`` (``setattr``: a monkeypatch's, to undo the platform)."""
+    ``shape`` (``setattr``: a monkeypatch's, to undo the platform;
+    ``config``: more of ``tqharness.make_vllm_config``'s arguments)."""
     global _vllm_dir
     h.install_platform(tree, setattr)
     from vllm.v1.worker import workspace
@@ -216,7 +243,11 @@ def open_backend(tree: Path, model_dir: Path, shape: Shape, setattr: Any) -> Bac
     tq = importlib.import_module(h.TQ_MODULE)
     h.inspect_models_in_process()
     h.write_tiny_model(
-        model_dir, num_heads=shape.hq, num_kv_heads=shape.hk, head_dim=shape.head
+        model_dir,
+        num_heads=shape.hq,
+        num_kv_heads=shape.hk,
+        head_dim=shape.head,
+        dtype="bfloat16" if shape.dtype == torch.bfloat16 else "float16",
     )
     # A real config: the builder (v0.24.0+) and the impl (v0.28.0+) read the
     # model, scheduler and attention configs.
@@ -226,16 +257,55 @@ def open_backend(tree: Path, model_dir: Path, shape: Shape, setattr: Any) -> Bac
         block_size=shape.block,
         max_model_len=shape.max_model_len,
         dtype=shape.dtype,
+        **config,
     )
     _vllm_dir = str((tree / "vllm").resolve()) + os.sep
     # As the model runner does, the workspace manager exists before any
     # attention layer is built: continuation prefill takes its dequant
     # buffers from it in later releases (v0.21.0+) and with tq/0001.
     workspace.init_workspace_manager(DEVICE)
-    attn = h.build_tq_attention(config, shape.hq, shape.head, shape.hk)
+    backend = h.backend_class(shape.preset)
+    attn = h.build_tq_attention(config, shape.hq, shape.head, shape.hk, None, backend)
     spec = h.runner_kv_cache_spec(attn, config)
-    assert h.is_turboquant_spec(spec) and spec.block_size == shape.block
+    quantized = h.is_turboquant_spec(spec) or h.is_ultraquant(shape.preset)
+    assert quantized and spec.block_size == shape.block
     return Backend(tq, config, spec, attn.layer_name, tree, shape)
+
+
+# UltraQuant: bf16 (its Triton decode takes no fp16), 64-token blocks (its
+# preferred block size), head_dim a power of two (Hadamard), grouped queries.
+UQ_SHAPE = Shape(
+    hq=4,
+    hk=2,
+    head=64,
+    block=64,
+    preset=h.UQ_PRESET,
+    dtype=torch.bfloat16,
+    max_model_len=1024,
+)
+
+
+def open_ultraquant(
+    tree: Path,
+    model_dir: Path,
+    setattr: Any,
+    shape: Shape = UQ_SHAPE,
+    threshold: int | None = None,
+    **config: Any,
+) -> Backend:
+    """``open_backend`` for UltraQuant (v0.32.0+; the test is skipped on
+    earlier trees), with Triton's interpreter's bf16 dot fixed and the
+    continuation threshold set to ``threshold`` queries where given."""
+    import pytest
+
+    if not (tree / "vllm/v1/attention/backends/ultraquant_attn.py").is_file():
+        pytest.skip("no UltraQuant backend in this tree (v0.32.0+)")
+    h.fix_interpreter_bf16_dot(setattr)
+    backend = open_backend(tree, model_dir, shape, setattr, **config)
+    if threshold is not None:
+        for module in backend.modules:
+            setattr(module, "_CONTINUATION_DECODE_THRESHOLD", threshold)
+    return backend
 
 
 def close_backend() -> None:
@@ -368,6 +438,28 @@ def write_context(
     kv_slots[slots // block, slots % block] = data.to(kv_slots.device)
 
 
+def write_uq_context(
+    kv_slots: torch.Tensor, slots: torch.Tensor, head: int, g: torch.Generator
+) -> None:
+    """Cached tokens as UltraQuant's store leaves them (its store kernel is
+    the dearest part of a long context in Triton's interpreter): random FP4
+    codes and UE8M0 group scales of 2^-2 and 2^-1, what the store gives
+    N(0, 1) inputs (2^round(log2(0.156 * absmax)), absmax about 2 to 3)."""
+    from vllm.v1.attention.ops.ultraquant import format as uqf
+
+    hk, width = kv_slots.shape[2:]
+    n = slots.numel()
+    if not n:
+        return
+    data = torch.randint(0, 256, (n, hk, width), dtype=torch.uint8, generator=g)
+    groups = uqf.n_groups(head)
+    for off in (uqf.k_scales_offset(head), uqf.v_scales_offset(head)):
+        scales = torch.randint(125, 127, (n, hk, groups), generator=g)
+        data[..., off : off + groups] = scales.to(torch.uint8)
+    block = kv_slots.shape[1]
+    kv_slots[slots // block, slots % block] = data.to(kv_slots.device)
+
+
 def _store_context(impl, layer, reqs, block, kv_cache, k_raw, v_raw, slots) -> None:
     """Earlier steps stored each request's cached tokens (a prefix hit's
     shared blocks once, by the row that computed them)."""
@@ -438,8 +530,13 @@ def make_batch(
     if store_context:
         _store_context(impl, layer, reqs, s.block, cache.runner, k_raw, v_raw, slots)
     else:
-        context = [sl[r.shared(s.block) : r.cached] for sl, r in zip(slots, reqs)]
-        write_context(cache.slots, torch.cat(context), impl.tq_config, g)
+        context = torch.cat(
+            [sl[r.shared(s.block) : r.cached] for sl, r in zip(slots, reqs)]
+        )
+        if h.is_ultraquant(s.preset):
+            write_uq_context(cache.slots, context, s.head, g)
+        else:
+            write_context(cache.slots, context, impl.tq_config, g)
     query, key, value, slot_mapping = _step_inputs(
         reqs, k_raw, v_raw, slots, pad_tokens, s, g
     )
@@ -598,6 +695,48 @@ def dequant(
     return k, vidx * scale + zero
 
 
+# FP4 E2M1: sign bit, then 2 exponent bits and 1 mantissa bit.
+_FP4 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+
+
+def uq_dequant(
+    kv_slots: torch.Tensor, slots: torch.Tensor, head: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V (len, hk, head) float64 from UltraQuant's slot bytes, in
+    PyTorch, K in the model's basis.
+
+    Slot layout (per head and position): [K codes | K scales | V codes | V
+    scales]: FP4 E2M1 nibbles, element 2i in the low nibble of byte i, and
+    one UE8M0 byte (2^(e - 127), 0 for zero) per group of 32; keys
+    Hadamard-rotated.
+    """
+    hk = kv_slots.shape[2]
+    raw = plain(kv_slots).cpu().reshape(-1, hk, kv_slots.shape[-1])[slots.cpu()]
+    b = raw.to(torch.int64)
+    lut = torch.tensor([*_FP4, *(-x for x in _FP4)], dtype=torch.float64)
+    groups = head // 32
+
+    def part(base: int) -> torch.Tensor:
+        codes = b[..., base : base + head // 2]
+        nibbles = torch.stack([codes & 15, codes >> 4], -1).flatten(-2)
+        e = b[..., base + head // 2 : base + head // 2 + groups].double()
+        scale = torch.where(e == 0, 0.0, torch.exp2(e - 127))
+        values = lut[nibbles].unflatten(-1, (groups, 32)) * scale.unsqueeze(-1)
+        return values.flatten(-2)
+
+    k = part(0) @ _hadamard(head)  # back from the rotated basis
+    return k, part(head // 2 + groups)
+
+
+def uq_query(q: torch.Tensor) -> torch.Tensor:
+    """What UltraQuant's Triton kernel (decodes, small continuations)
+    attends with: the query rotated in fp32 and rounded to FP8 E4M3 (its
+    format's definition), returned in the model's basis (float64)."""
+    hadamard = _hadamard(q.shape[-1])
+    rotated = (q.float() @ hadamard.float()).to(torch.float8_e4m3fn)
+    return rotated.double() @ hadamard
+
+
 def threshold(impl: Any) -> int:
     """The continuation threshold of the impl's module (a test may lower
     it to keep Triton's interpreter affordable)."""
@@ -636,8 +775,11 @@ def row_kv(batch: Batch, i: int, impl: Any, layer: torch.nn.Module, path: str):
     as it holds them after the step's store, the row's own new tokens raw
     on the ``raw`` path."""
     r = batch.reqs[i]
-    centroids = plain(layer._tq_centroids)
-    k, v = dequant(batch.kv_slots, batch.slots[i], impl.tq_config, centroids)
+    if h.is_ultraquant(impl.kv_cache_dtype):
+        k, v = uq_dequant(batch.kv_slots, batch.slots[i], impl.head_size)
+    else:
+        centroids = plain(layer._tq_centroids)
+        k, v = dequant(batch.kv_slots, batch.slots[i], impl.tq_config, centroids)
     if path == "raw":
         k[r.cached :] = batch.k_raw[i][r.cached :].double()
         v[r.cached :] = batch.v_raw[i][r.cached :].double()
@@ -654,6 +796,8 @@ def reference(batch: Batch, impl: Any, layer: torch.nn.Module) -> list[torch.Ten
         k, v = row_kv(batch, i, impl, layer, path)
         q = q_all[start : start + r.q]
         start += r.q
+        if path == "cache" and h.is_ultraquant(impl.kv_cache_dtype):
+            q = uq_query(q)
         out.append(attend(q, k, v, r.cached, impl.scale).reshape(r.q, -1))
     return out
 
@@ -671,6 +815,15 @@ def rows(out: torch.Tensor, reqs: list[Req]) -> list[torch.Tensor]:
 # a few units for the tests' N(0, 1) inputs. Measured: at most 6e-3 over
 # the differential test's long mode (test_tq_batches.py).
 TOLERANCE = 2e-2
+# UltraQuant computes in bf16 (relative 2^-8): its outputs, its rotated
+# queries on the dequantize-and-attend paths, and the softmax weights of its
+# Triton kernel. Measured: at most 0.028 over test_uq_attention.py and
+# test_uq_workspace.py; the bugs they catch are off by 2.8 or more.
+UQ_TOLERANCE = 6e-2
+
+
+def tolerance(impl: Any) -> float:
+    return UQ_TOLERANCE if h.is_ultraquant(impl.kv_cache_dtype) else TOLERANCE
 
 
 def assert_matches_reference(
@@ -682,4 +835,127 @@ def assert_matches_reference(
     got64 = plain(got).cpu().double()[: want.shape[0]]
     err = (got64 - want).abs().max().item()
     assert torch.isfinite(got64).all()
-    assert err < TOLERANCE, f"max |out - ref| = {err:.3g}"
+    assert err < tolerance(impl), f"max |out - ref| = {err:.3g}"
+
+
+def own_tokens_only(batch: Batch, i: int, impl: Any) -> torch.Tensor:
+    """Row ``i`` attending to its own new tokens alone, as a first chunk
+    (the #46460 symptom)."""
+    r = batch.reqs[i]
+    start = sum(x.q for x in batch.reqs[:i])
+    q = plain(batch.query).cpu().double()[start : start + r.q]
+    k = batch.k_raw[i][r.cached :].double()
+    v = batch.v_raw[i][r.cached :].double()
+    q = q.reshape(r.q, impl.num_heads, impl.head_size)
+    return attend(q, k, v, 0, impl.scale).reshape(r.q, -1)
+
+
+WORST = {"error": 0.0}  # the largest error of a row check_rows passed
+
+
+def check_rows(out: torch.Tensor, batch: Batch, impl: Any, layer: Any) -> None:
+    """Every request's rows against the reference; the first wrong one is
+    reported with its batch and what it did, where that can be told."""
+    want = reference(batch, impl, layer)
+    tol = tolerance(impl)
+    for i, (got, ref) in enumerate(zip(rows(out, batch.reqs), want)):
+        err = (got - ref).abs().max().item() if got.isfinite().all() else float("inf")
+        if err <= tol:
+            WORST["error"] = max(WORST["error"], err)
+            continue
+        r = batch.reqs[i]
+        what = "differs from the reference"
+        if r.cached and (got - own_tokens_only(batch, i, impl)).abs().max() <= tol:
+            what = (
+                f"ignores its cached context (attends to its own {r.q} new tokens only)"
+            )
+        raise AssertionError(
+            f"request {i} {r!r} of batch {batch.reqs}: {what}: max |out - "
+            f"reference| = {err:.3g} > {tol}"
+        )
+
+
+# --------------------------------------------------------------------------
+# The runner's modes: flash-attn or not, full graphs, async scheduling
+# --------------------------------------------------------------------------
+
+
+def use_attention(mode: str, backend: Backend, setattr: Any) -> str:
+    """The backend's flash-attn code paths on (``"flash-attn"``) or off
+    (``"no-flash-attn"``). Where the tree has no vLLM flash-attn (CPU), a
+    float64 stand-in (``tqharness.ReferenceFlashAttn``) takes the kernel's
+    place. ``setattr``: a monkeypatch's."""
+    tq = backend.tq
+    if mode == "no-flash-attn":
+        for module in backend.modules:
+            setattr(module, "_HAS_FLASH_ATTN", False)
+    elif not tq._HAS_FLASH_ATTN:
+        for module in backend.modules:
+            setattr(module, "_HAS_FLASH_ATTN", True)
+        setattr(tq, "flash_attn_varlen_func", h.ReferenceFlashAttn(), raising=False)
+    return mode
+
+
+def new_impl(backend: Backend, attention: str) -> tuple[Any, Any]:
+    """A fresh impl and its layer state, for ``use_attention``'s mode."""
+    impl = backend.impl()
+    if attention == "flash-attn" and isinstance(
+        backend.tq.flash_attn_varlen_func, h.ReferenceFlashAttn
+    ):
+        impl.fa_version = None  # the stand-in takes no version
+    return impl, backend.layer(impl)
+
+
+def check_replay(
+    backend: Backend, impl: Any, layer: torch.nn.Module, real: Batch, pad: int
+) -> None:
+    """A full graph of ``real``'s shape (``pad`` padding rows): metadata
+    for its capture built from the runner's dummy values, run with the
+    device tensors unreadable on the host, then the device buffers refilled
+    with ``real`` and run again with the capture-time host values, as a
+    replay does. It must equal an eager step bit for bit (TurboQuant) or
+    within the tolerance (UltraQuant: its Triton kernel picks its 2D or
+    split-KV launch by the host max_seq_len, the capture's max_model_len
+    or a step's own, which round differently), and be right."""
+    builder = backend.builder()
+    captured, bufs = capture_metadata(builder, real, watch=True)
+    run_step(impl, layer, real, captured)  # the capture: dummy contents
+    refill(bufs, real)
+    replayed = run_step(impl, layer, real, captured)
+    eager = run_step(impl, layer, real, builder.build(0, real.cam))
+    diff = (replayed.double() - eager.double()).abs().max().item()
+    exact = not h.is_ultraquant(impl.kv_cache_dtype)
+    if not (torch.equal(replayed, eager) if exact else diff <= tolerance(impl)):
+        raise AssertionError(
+            f"replay differs from eager: batch {real.reqs} with {pad} padding "
+            f"rows: max |replay - eager| = {diff:.3g}"
+        )
+    check_rows(replayed, real, impl, layer)
+
+
+def check_async(
+    backend: Backend,
+    impl: Any,
+    layer: torch.nn.Module,
+    reqs: list[Req],
+    over: dict[int, int],
+    seed: int,
+) -> None:
+    """Async spec decode: the host knows an upper bound of some rows'
+    seq_lens (``over``: rejected drafts per row). The output must equal the
+    one with exact host seq_lens bit for bit, and be right."""
+    builder = backend.builder()
+    exact = make_batch(backend, impl, layer, reqs, seed, store_context=False)
+    want = run_step(impl, layer, exact, builder.build(0, exact.cam))
+    optimistic = make_batch(
+        backend, impl, layer, reqs, seed, optimistic=over, store_context=False
+    )
+    got = run_step(impl, layer, optimistic, builder.build(0, optimistic.cam))
+    if not torch.equal(got, want):
+        diff = (got.double() - want.double()).abs().max().item()
+        raise AssertionError(
+            "continuation seq_lens follow the host upper bound: batch "
+            f"{reqs}, host seq_lens over by {over}: the output differs from "
+            f"the one with exact host seq_lens by {diff:.3g}"
+        )
+    check_rows(got, optimistic, impl, layer)

@@ -29,17 +29,33 @@ ci/gpu/tqlib.py):
     A real ``VllmConfig`` through ``EngineArgs.create_engine_config``.
 ``inspect_models_in_process(monkeypatch=None)``
     Model-class inspection without vLLM's subprocess (a faster config).
-``build_tq_attention(vllm_config, num_heads, head_size, num_kv_heads, index)``
-    A real ``Attention`` layer on the TurboQuant backend (it registers itself
-    in the config's forward context, so build each name once per config).
+``build_tq_attention(vllm_config, num_heads, head_size, num_kv_heads, index,
+backend=None)``
+    A real ``Attention`` layer on the TurboQuant backend, or on ``backend``
+    (it registers itself in the config's forward context, so build each name
+    once per config).
 ``tq_impl(vllm_config, num_heads, head_size, num_kv_heads, preset, module)``
 / ``centroids_layer(impl, head_size, device)``
-    A bare ``TurboQuantAttentionImpl`` built under the config, and the layer
-    state it reads (the centroids buffer the engine's layer registers).
+    A bare ``TurboQuantAttentionImpl`` (``UltraQuantAttentionImpl`` for the
+    UltraQuant preset) built under the config, and the layer state it reads
+    (the centroids buffer the engine's layer registers).
+``is_ultraquant(preset)`` / ``backend_class(preset)`` / ``backend_modules(preset)``
+    UltraQuant (v0.32.0+: ``ultraquant_attn``, a subclass of the TurboQuant
+    backend that reuses its builder, metadata and cache layout); the backend
+    class of a preset; the modules whose globals (``_HAS_FLASH_ATTN``,
+    ``_CONTINUATION_DECODE_THRESHOLD``, ...) its code reads: UltraQuant's
+    copies them from TurboQuant's at import, so a test patches both.
+``fix_interpreter_bf16_dot(setattr)``
+    Triton's interpreter multiplies bf16 ``tl.dot`` operands as their raw
+    16-bit patterns; widen them to fp32 first (exact), so that kernels that
+    use bf16 dots (UltraQuant's) run right on CPU.
 ``tq_builder(vllm_config, spec, layer_names, device, module)``
     The metadata builder, as ``initialize_kv_cache`` makes it.
 ``workspace_bytes()``
     Bytes held by the process's workspace manager (0 without one).
+``new_storage_sizes(fn)``
+    The sizes of the storages ops create while ``fn`` runs (views excluded):
+    what a code path allocates, to bound it.
 ``ReferenceFlashAttn``
     ``flash_attn_varlen_func``'s contract in float64 PyTorch (varlen, GQA,
     bottom-right causal, LSE), checking the arguments the real kernel would
@@ -54,7 +70,8 @@ vllm_config)``
     TurboQuant layer spec: ``TQFullAttentionSpec`` (up to v0.27.x) or a spec
     whose ``kv_quant_mode`` is a TurboQuant mode (v0.28.0+).
 ``tq_config(preset, head_size)`` / ``tq_slot_size(preset, head_size)``
-    The tree's ``TurboQuantConfig`` for a preset, and its packed slot bytes.
+    The tree's ``TurboQuantConfig`` for a preset, and its packed slot bytes
+    (UltraQuant's FP4 + UE8M0 slot for its preset).
 ``TQCache`` / ``new_tq_kv_cache(num_blocks, block_size, num_kv_heads,
 head_size, preset, generator=..., device=...)``
     A KV cache of random bytes laid out as the tree's runner lays it out:
@@ -111,6 +128,8 @@ from typing import Any
 import torch
 
 TQ_MODULE = "vllm.v1.attention.backends.turboquant_attn"
+UQ_MODULE = "vllm.v1.attention.backends.ultraquant_attn"
+UQ_PRESET = "ultraquant_4bit"
 
 
 # --------------------------------------------------------------------------
@@ -248,6 +267,7 @@ def build_tq_attention(
     head_size: int,
     num_kv_heads: int,
     index: int | None = None,
+    backend: Any = None,
 ) -> Any:
     """``model.layers.{index}.self_attn.attn`` on the TurboQuant backend; by
     default the first layer that boundary protection leaves to TurboQuant
@@ -257,7 +277,7 @@ def build_tq_attention(
     from vllm.config import set_current_vllm_config
     from vllm.model_executor.layers.attention import Attention
 
-    backend = importlib.import_module(TQ_MODULE).TurboQuantAttentionBackend
+    backend = backend or importlib.import_module(TQ_MODULE).TurboQuantAttentionBackend
     if index is None:
         skipped = {int(i) for i in vllm_config.cache_config.kv_cache_dtype_skip_layers}
         index = min(set(range(len(skipped) + 1)) - skipped)
@@ -297,6 +317,55 @@ def tq_module() -> Any:
     return importlib.import_module(TQ_MODULE)
 
 
+def is_ultraquant(preset: str) -> bool:
+    return preset == UQ_PRESET
+
+
+def backend_modules(preset: str) -> tuple[Any, ...]:
+    """The modules whose globals the preset's attention code reads."""
+    import importlib
+
+    if is_ultraquant(preset):
+        return tq_module(), importlib.import_module(UQ_MODULE)
+    return (tq_module(),)
+
+
+def backend_class(preset: str) -> Any:
+    module = backend_modules(preset)[-1]
+    if is_ultraquant(preset):
+        return module.UltraQuantAttentionBackend
+    return module.TurboQuantAttentionBackend
+
+
+def fix_interpreter_bf16_dot(setattr: Any = setattr) -> None:
+    """Triton's interpreter (3.9) stores bf16 as uint16 and multiplies
+    ``tl.dot`` operands as they are stored: a bf16 dot returns products of
+    bit patterns. Widen bf16 operands to fp32 first (exact: bf16 is fp32's
+    upper half). Only for the interpreter; a no-op without Triton."""
+    try:
+        import numpy as np
+        import triton.language as tl
+        from triton.runtime import interpreter
+    except ImportError:
+        return
+    builder = interpreter.InterpreterBuilder
+    create_dot = builder.create_dot
+    if getattr(create_dot, "widens_bf16", False):
+        return
+
+    def widen(x: Any) -> Any:
+        if x.dtype != tl.bfloat16:
+            return x
+        bits = x.data.astype(np.uint32) << 16
+        return interpreter.TensorHandle(bits.view(np.float32), tl.float32)
+
+    def create_dot_widened(self: Any, a: Any, b: Any, d: Any, *args: Any) -> Any:
+        return create_dot(self, widen(a), widen(b), d, *args)
+
+    create_dot_widened.widens_bf16 = True  # type: ignore[attr-defined]
+    setattr(builder, "create_dot", create_dot_widened)
+
+
 def tq_impl(
     vllm_config: Any,
     num_heads: int,
@@ -305,12 +374,15 @@ def tq_impl(
     preset: str,
     module: Any = None,
 ) -> Any:
-    """A bare ``TurboQuantAttentionImpl`` (of ``module``, default the tree's
-    backend), built under ``vllm_config`` as the layer builds it."""
+    """A bare ``TurboQuantAttentionImpl`` (``UltraQuantAttentionImpl`` for
+    the UltraQuant preset; of ``module``, default the tree's backend), built
+    under ``vllm_config`` as the layer builds it."""
     from vllm.config import set_current_vllm_config
 
+    module = module or backend_modules(preset)[-1]
+    name = "UltraQuant" if is_ultraquant(preset) else "TurboQuant"
     with set_current_vllm_config(vllm_config):
-        return (module or tq_module()).TurboQuantAttentionImpl(
+        return getattr(module, f"{name}AttentionImpl")(
             num_heads=num_heads,
             head_size=head_size,
             scale=head_size**-0.5,
@@ -355,6 +427,34 @@ def workspace_bytes() -> int:
     return 0 if ws is None else ws.numel() * ws.element_size()
 
 
+def new_storage_sizes(fn: Any) -> set[int]:
+    """The sizes of every storage any op creates while fn runs (views of
+    existing storage excluded)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_leaves
+
+    sizes: set[int] = set()
+
+    class Spy(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            seen = {
+                t.untyped_storage().data_ptr()
+                for t in tree_leaves((args, kwargs))
+                if isinstance(t, torch.Tensor)
+            }
+            for t in tree_leaves(out):
+                if isinstance(t, torch.Tensor):
+                    storage = t.untyped_storage()
+                    if storage.data_ptr() not in seen:
+                        sizes.add(storage.nbytes())
+            return out
+
+    with Spy():
+        fn()
+    return sizes
+
+
 def is_turboquant_spec(spec: Any) -> bool:
     import vllm.v1.kv_cache_interface as kvi
 
@@ -374,6 +474,10 @@ def tq_config(preset: str, head_size: int) -> Any:
 
 
 def tq_slot_size(preset: str, head_size: int) -> int:
+    if is_ultraquant(preset):
+        from vllm.v1.attention.ops.ultraquant.format import slot_size
+
+        return slot_size(head_size)
     return tq_config(preset, head_size).slot_size_aligned
 
 
