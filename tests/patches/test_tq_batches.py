@@ -262,12 +262,16 @@ def test_every_batch_matches_reference(env, attention, reqs, pad, seed) -> None:
 
 
 @pytest.mark.bug_signature(AssertionError, IGNORES_CONTEXT)
-def test_prefix_hit_batched_with_longer_fresh_prompt(env, attention) -> None:
+@pytest.mark.parametrize("order", ["fresh-first", "hit-first"])
+def test_prefix_hit_batched_with_longer_fresh_prompt(env, attention, order) -> None:
     """vllm#46460 as users met it: a prefix-cache hit (32 cached tokens, 16
-    new) in the same step as a fresh 48-token prompt. Both maxima are 48,
-    which the flash-attn fast path read as "no request has cached context"."""
+    new) in the same step as a fresh 48-token prompt, in either order. Both
+    maxima are 48, which the flash-attn fast path read as "no request has
+    cached context"."""
     impl, layer = tb.new_impl(env, attention)
     reqs = [Req(0, 48), Req(32, 16)]
+    if order == "hit-first":
+        reqs.reverse()
     batch = tb.make_batch(env, impl, layer, reqs, seed=46460)
     meta = env.builder().build(0, batch.cam)
     tb.check_rows(tb.run_step(impl, layer, batch, meta), batch, impl, layer)
