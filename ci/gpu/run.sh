@@ -7,8 +7,9 @@
 # PARTS: comma list of cudagraph (issue 4), bench (issue 3), tests (targeted
 # tests on CUDA), newest (the three on the newest stack, tq-v0.33 on
 # v0.33.0: trees tq33-base, tq33-patched), fix (a proposed change,
-# ci/gpu/proposed/, benchmarked against (b) and tested); default the first
-# three. DEADLINE_S (default
+# ci/gpu/proposed/, benchmarked against (b) and tested), decode (issue 28:
+# tq_decode_bench.py with its sweep on tq33-patched, then the grouped
+# decode's tests there); default the first three. DEADLINE_S (default
 # 570): every part gets what is left of it, so the summary is always written. Results go to $OUT
 # (tq_cudagraph.json, tq_continuation_bench.json, tests.json, tables.md,
 # logs.tar.gz, run.log); the summary tables are printed last.
@@ -126,6 +127,15 @@ if has fix; then
   else
     echo "== fix: no .gpu/tq-fix.tar.gz (pack.sh builds it from ci/gpu/proposed/)"
   fi
+fi
+
+if has decode; then
+  # v0.33.0's TurboQuant decode kernel, the grouped one and bf16 FA2 side by
+  # side (tables and JSON in $OUT/decode), then the grouped decode's tests.
+  run decode_bench 330 $PY ci/gpu/tq_decode_bench.py --tree $T/tq33-patched \
+    --out "$OUT/decode" --sweep --deadline 280
+  BASE_TREE= pt tq33_decode tq33-patched tests/patches/test_tq_grouped_decode.py
+  cat "$OUT/decode/tq_decode_table.md" 2>/dev/null
 fi
 
 $PY ci/gpu/summarize.py --work "$W" --out "$OUT" > "$W/summary.log" 2>&1 || tail -n 30 "$W/summary.log"
