@@ -83,7 +83,7 @@ def parse_args() -> argparse.Namespace:
     if args.small:
         HQ, HK, D = 4, 1, 64
         BATCHES, LENS, REPS, CHECK_CACHED = (1, 2), (48, 160), 2, [40, 3, 130]
-        SWEEP_CELLS, SWEEP_KERNELS, SWEEP_PPSM = ((3, 300),), ((16, 4), (8, 2)), (4,)
+        SWEEP_CELLS, SWEEP_KERNELS, SWEEP_PPSM = ((2, 160),), ((16, 4), (8, 2)), (4,)
         FLUSH_BYTES = 1 << 20
     args.deadline = args.deadline or (1800 if args.small else 420)
     return args
@@ -427,7 +427,7 @@ def sweep(env, p: Preset, flush, deadline: float) -> dict:
     cells = [c for c in SWEEP_CELLS if c[0] * c[1] < p.num_blocks * BLOCK]
     points = []
     for (bkv, warps), ppsm in itertools.product(SWEEP_KERNELS, SWEEP_PPSM):
-        if time.time() > deadline:
+        if time.time() > deadline or not cells:
             break
         times = []
         try:

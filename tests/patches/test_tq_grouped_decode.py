@@ -95,6 +95,25 @@ def cache_reads(cache: torch.Tensor) -> Iterator[list]:
         yield reads
 
 
+@contextlib.contextmanager
+def launch_grids() -> Iterator[list]:
+    """The grid of every Triton launch while the context is open (in the
+    interpreter; nothing is recorded on a GPU)."""
+    from triton.runtime import interpreter
+
+    builder = interpreter.interpreter_builder
+    grids: list = []
+    set_grid_dim = builder.set_grid_dim
+
+    def recording(*dims: int) -> None:
+        grids.append(dims)
+        set_grid_dim(*dims)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(builder, "set_grid_dim", recording)
+        yield grids
+
+
 def attended_bytes(batch: tb.Batch, slot_size: int) -> np.ndarray:
     """Addresses of the slot bytes of every token the batch attends to."""
     slots = batch.kv_slots
@@ -213,14 +232,20 @@ def test_matches_reference_no_worse_than_v0_33(shape_env) -> None:
 def test_graph_replay_matches_eager(env: tb.Backend) -> None:
     """A decode step through the impl with metadata captured on the runner's
     dummy values (device tensors unreadable on the host), then refilled, as
-    a full CUDA graph replays it: bit-identical to the eager step, right."""
+    a full CUDA graph replays it: the same launches (grids: the split count)
+    as the eager step, bit-identical to it, right."""
     impl, layer, batch = tb.decode_batch(env, [45, 3, 130], seed=7)
     builder = env.builder()
     captured, bufs = tb.capture_metadata(builder, batch, watch=True)
     tb.forward(impl, layer, batch, captured)  # the capture: dummy contents
     tb.refill(bufs, batch)
-    replayed = tb.forward(impl, layer, batch, captured)
-    eager = tb.forward(impl, layer, batch, builder.build(0, batch.cam))
+    with launch_grids() as replay_grids:
+        replayed = tb.forward(impl, layer, batch, captured)
+    with launch_grids() as eager_grids:
+        eager = tb.forward(impl, layer, batch, builder.build(0, batch.cam))
+    assert replay_grids == eager_grids, (
+        f"replay launches {replay_grids}, eager {eager_grids}"
+    )
     assert torch.equal(replayed, eager), "replay differs from eager"
     tb.assert_matches_reference(eager, batch, impl, layer)
 
