@@ -10,8 +10,9 @@
 # long mode on both patched stacks), fix (a proposed change,
 # ci/gpu/proposed/, benchmarked against (b) and tested), uq (UltraQuant,
 # tq-v0.33/0004-0007: uq_cudagraph.py's real full-graph capture and replay on
-# tq33-base and tq33-patched, and the UltraQuant tests on tq33-patched);
-# default the first three. DEADLINE_S (default
+# tq33-base and tq33-patched, and the UltraQuant tests on tq33-patched),
+# decode (issue 28: tq_decode_bench.py with its sweep on tq33-patched, then
+# the grouped decode's tests there); default the first three. DEADLINE_S (default
 # 570): every part gets what is left of it, so the summary is always written. Results go to $OUT
 # (tq_cudagraph.json, tq_continuation_bench.json, tests.json, tables.md,
 # logs.tar.gz, run.log); the summary tables are printed last.
@@ -152,6 +153,15 @@ if has uq; then
   done
   BASE_TREE= pt uq33_patched tq33-patched tests/patches/test_uq_attention.py \
     tests/patches/test_uq_workspace.py tests/patches/test_uq_batches.py
+fi
+
+if has decode; then
+  # v0.33.0's TurboQuant decode kernel, the grouped one and bf16 FA2 side by
+  # side (tables and JSON in $OUT/decode), then the grouped decode's tests.
+  run decode_bench 330 $PY ci/gpu/tq_decode_bench.py --tree $T/tq33-patched \
+    --out "$OUT/decode" --sweep --deadline 280
+  BASE_TREE= pt tq33_decode tq33-patched tests/patches/test_tq_grouped_decode.py
+  cat "$OUT/decode/tq_decode_table.md" 2>/dev/null
 fi
 
 $PY ci/gpu/summarize.py --work "$W" --out "$OUT" > "$W/summary.log" 2>&1 || tail -n 30 "$W/summary.log"

@@ -80,6 +80,7 @@ def make_config(
     max_model_len: int,
     block_size: int = 16,
     dtype: torch.dtype = torch.bfloat16,
+    max_num_seqs: int = 64,
 ) -> Any:
     """A real VllmConfig through EngineArgs for a tiny local model of these
     attention shapes (the tree's default attention settings)."""
@@ -96,7 +97,7 @@ def make_config(
         block_size=block_size,
         max_model_len=max_model_len,
         max_num_batched_tokens=max_num_batched_tokens,
-        max_num_seqs=64,
+        max_num_seqs=max_num_seqs,
         dtype=dtype,
         kv_splits=None,
     )

@@ -31,8 +31,15 @@ pad_reqs=0)``
     The batch's ``Batch``: cache, inputs, metadata as the runner passes it
     (``optimistic``: async spec decode's host upper bound per row; padding
     as the runner pads for CUDA graphs).
-``run_step(impl, layer, batch, meta)``
-    Cache update, then forward: the output rows.
+``run_step(impl, layer, batch, meta)`` / ``forward(impl, layer, batch, meta)``
+    Cache update, then forward: the output rows; forward alone (every row).
+``decode_batch(backend, cached, seed)``
+    Decodes after ``cached`` tokens each, their new K/V already stored.
+``decode_kernels(impl, layer, batch, splits, pad=0)``
+    The tree's decode kernels on the batch's cache (v0.33.0's and the
+    grouped one, ``splits`` splits), ``pad`` rows of no tokens appended.
+``half_ulp(dtype, x)``
+    The rounding of a correctly rounded output of ``dtype`` near max |x|.
 ``capture_metadata(builder, batch, watch)`` / ``refill(bufs, batch)``
     Metadata for a full-graph capture of the batch's shape (the runner's
     dummy values), and what a replay changes: the device buffers' contents.
@@ -414,10 +421,10 @@ def write_context(
     kv_slots: torch.Tensor, slots: torch.Tensor, cfg: Any, g: torch.Generator
 ) -> None:
     """Cached tokens as a store leaves them, written straight into their
-    slots: random indices, and key norms, value scales and zeros in the
-    range the store kernel gives N(0, 1) inputs (in Triton's interpreter
-    the store kernel is the dearest part of a long context)."""
-    assert not cfg.key_fp8, "MSE-key presets"
+    slots: random indices (FP8 keys: N(0, 1) in FP8), and key norms, value
+    scales and zeros in the range the store kernel gives N(0, 1) inputs (in
+    Triton's interpreter the store kernel is the dearest part of a long
+    context)."""
     hk, width = kv_slots.shape[2:]
     n, head, vbits = slots.numel(), cfg.head_dim, cfg.effective_value_quant_bits
     if not n:
@@ -428,7 +435,12 @@ def write_context(
         fp16 = values.to(torch.float16).view(torch.uint8).reshape(n, hk, 2)
         data[..., offset : offset + 2] = fp16
 
-    put(cfg.key_packed_size - 2, head**0.5 * (0.75 + torch.rand(n, hk, generator=g)))
+    if cfg.key_fp8:
+        keys = torch.randn(n, hk, head, generator=g).to(torch.float8_e4m3fn)
+        data[..., :head] = keys.view(torch.uint8)
+    else:
+        norms = head**0.5 * (0.75 + torch.rand(n, hk, generator=g))
+        put(cfg.key_packed_size - 2, norms)
     levels = 2**vbits - 1
     scale = (4 + 2 * torch.rand(n, hk, generator=g)) / levels
     val_bytes = math.ceil(head * vbits / 8)
@@ -634,11 +646,90 @@ def run_step(
     impl.do_kv_cache_update(
         layer, batch.key, batch.value, batch.kv_cache, meta.slot_mapping[:n]
     )
-    output = batch.query.new_empty(n, impl.num_heads * impl.head_size)
+    return forward(impl, layer, batch, meta)[: batch.num_tokens]
+
+
+def forward(impl: Any, layer: torch.nn.Module, batch: Batch, meta: Any) -> torch.Tensor:
+    """The attention forward alone (the cache already updated): every row."""
+    output = batch.query.new_empty(
+        batch.query.shape[0], impl.num_heads * impl.head_size
+    )
     impl.forward(
         layer, batch.query, batch.key, batch.value, batch.kv_cache, meta, output=output
     )
-    return plain(output)[: batch.num_tokens]
+    return plain(output)
+
+
+# --------------------------------------------------------------------------
+# Decode steps and the decode kernels
+# --------------------------------------------------------------------------
+
+
+def decode_batch(
+    backend: Backend, cached: list[int], seed: int
+) -> tuple[Any, torch.nn.Module, Batch]:
+    """A step of decodes after ``cached`` tokens (context written by
+    ``write_context``), their new K/V stored by the tree's cache update:
+    (impl, layer, batch)."""
+    impl = backend.impl()
+    layer = backend.layer(impl)
+    reqs = [Req(c, 1) for c in cached]
+    batch = make_batch(backend, impl, layer, reqs, seed, store_context=False)
+    n = batch.num_tokens
+    impl.do_kv_cache_update(
+        layer, batch.key, batch.value, batch.kv_cache, batch.slot_mapping[:n]
+    )
+    return impl, layer, batch
+
+
+def decode_kernels(
+    impl: Any,
+    layer: torch.nn.Module,
+    batch: Batch,
+    splits: int,
+    pad: int = 0,
+    old_splits: int = 32,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """v0.33.0's TurboQuant decode kernel (``old_splits``: its default) and
+    the grouped one (``splits``) on a decode batch's cache, with ``pad`` rows
+    of no tokens appended (CUDA-graph padding): their (B + pad, Hq, D)."""
+    from vllm.v1.attention.ops.triton_turboquant_decode import (
+        triton_turboquant_decode_attention,
+    )
+    from vllm.v1.attention.ops.triton_turboquant_grouped_decode import (
+        triton_turboquant_grouped_decode_attention,
+    )
+
+    cfg, cam = impl.tq_config, batch.cam
+    q = batch.query.view(-1, impl.num_heads, impl.head_size)
+    q = torch.cat([q, torch.randn_like(q[:1]).expand(pad, -1, -1)])
+    table = cam.block_table_tensor
+    args = {
+        "query": q,
+        "kv_cache": batch.kv_slots,
+        "block_table": torch.cat([table, table[:1].expand(pad, -1)]),
+        "seq_lens": torch.cat([cam.seq_lens, cam.seq_lens.new_zeros(pad)]),
+        "centroids": layer._tq_centroids,
+        "scale": impl.scale,
+        "mse_bits": cfg.key_mse_bits,
+        "key_packed_size": cfg.key_packed_size,
+        "value_quant_bits": cfg.effective_value_quant_bits,
+        "key_fp8": cfg.key_fp8,
+        "norm_correction": cfg.norm_correction,
+        "PiT": layer._tq_PiT,
+    }
+    old = triton_turboquant_decode_attention(
+        Pi=layer._tq_Pi, max_num_kv_splits=old_splits, **args
+    )
+    new = triton_turboquant_grouped_decode_attention(num_kv_splits=splits, **args)
+    return old, new
+
+
+def half_ulp(dtype: torch.dtype, x: torch.Tensor) -> float:
+    """Half the spacing of ``dtype`` at the largest |x|: the largest error of
+    a correctly rounded output."""
+    top = max(x.abs().max().item(), 1e-30)
+    return 0.5 * torch.finfo(dtype).eps * 2.0 ** math.floor(math.log2(top))
 
 
 # --------------------------------------------------------------------------
@@ -672,19 +763,21 @@ def dequant(
 
     Slot layout (per head and position): [MSE key indices | key norm fp16 |
     value indices | value scale fp16 | value zero fp16], keys in the
-    Hadamard-rotated basis.
+    Hadamard-rotated basis; or [FP8 (E4M3) key | value ...], keys as they are.
     """
     hk, head = kv_slots.shape[2], cfg.head_dim
     raw = plain(kv_slots).cpu().reshape(-1, hk, kv_slots.shape[-1])[slots.cpu()]
     b = raw.to(torch.int64)
-    assert not cfg.key_fp8, "reference covers MSE-key presets"
-    bits = cfg.key_mse_bits
-    mse_bytes = math.ceil(head * bits / 8)
-    c = centroids.double().cpu()[_unpack(b, 0, bits, head)]
-    if cfg.norm_correction:
-        c = c / torch.sqrt((c * c).sum(-1, keepdim=True) + 1e-16)
-    k = _f16(raw[..., mse_bytes : mse_bytes + 2]).unsqueeze(-1) * c
-    k = k @ _hadamard(head)  # back from the rotated basis (H = H^T = H^-1)
+    if cfg.key_fp8:
+        k = raw[..., :head].contiguous().view(torch.float8_e4m3fn).double()
+    else:
+        bits = cfg.key_mse_bits
+        mse_bytes = math.ceil(head * bits / 8)
+        c = centroids.double().cpu()[_unpack(b, 0, bits, head)]
+        if cfg.norm_correction:
+            c = c / torch.sqrt((c * c).sum(-1, keepdim=True) + 1e-16)
+        k = _f16(raw[..., mse_bytes : mse_bytes + 2]).unsqueeze(-1) * c
+        k = k @ _hadamard(head)  # back from the rotated basis (H = H^T = H^-1)
 
     vb = cfg.key_packed_size
     vbits = cfg.effective_value_quant_bits

@@ -73,7 +73,8 @@ vllm_config)``
     The tree's ``TurboQuantConfig`` for a preset, and its packed slot bytes
     (UltraQuant's FP4 + UE8M0 slot for its preset).
 ``TQCache`` / ``new_tq_kv_cache(num_blocks, block_size, num_kv_heads,
-head_size, preset, generator=..., device=...)``
+head_size, preset, generator=..., device=...)`` (generator None: drawn on
+the device)
     A KV cache of random bytes laid out as the tree's runner lays it out:
     ``.runner`` is the tensor the runner passes to ``do_kv_cache_update`` and
     ``forward`` (``(nb, bs, Hk, slot)`` up to v0.25.1, the head-major
@@ -521,11 +522,12 @@ def new_tq_kv_cache(
     head_size: int,
     preset: str,
     *,
-    generator: torch.Generator,
+    generator: torch.Generator | None,
     device: torch.device,
 ) -> TQCache:
     """A TurboQuant KV cache of random bytes (a slot nobody wrote reads as
-    garbage), allocated as the tree's runner allocates it."""
+    garbage), allocated as the tree's runner allocates it. ``generator``
+    None: drawn on the device (GPU caches of many GiB)."""
     import importlib
 
     backend = importlib.import_module(TQ_MODULE).TurboQuantAttentionBackend
@@ -537,9 +539,13 @@ def new_tq_kv_cache(
         else (num_blocks, block_size, num_kv_heads, slot)
     )
     physical_shape = [logical[i] for i in order]
-    physical = torch.randint(
-        0, 256, physical_shape, dtype=torch.uint8, generator=generator
-    ).to(device)
+    if generator is None:
+        physical = torch.empty(physical_shape, dtype=torch.uint8, device=device)
+        physical.random_(0, 256)
+    else:
+        physical = torch.randint(
+            0, 256, physical_shape, dtype=torch.uint8, generator=generator
+        ).to(device)
     inverse = [order.index(i) for i in range(4)]
     runner = physical.permute(*inverse)
     assert tuple(runner.shape) == logical

@@ -1,0 +1,564 @@
+"""TurboQuant decode against the memory-bandwidth floor (issue 28):
+v0.33.0's decode kernel, the grouped split-K kernel of the tq-v0.33 patch
+and bf16 FlashAttention-2 decode side by side in one process, on one tree
+(the patched tq-v0.33 tree: it holds both TurboQuant kernels).
+
+Shapes: Qwen3.5-9B attention (Hq 16, Hk 4, D 256, bf16), block 16, presets
+turboquant_4bit_nc and turboquant_k8v4; decode steps of B in {1, 8, 32, 128}
+requests, each with L in {4K, 32K, 128K} tokens of context (a cell, or its
+bf16 stand-in, is skipped when it does not fit the GPU's memory).
+
+Each cell, CUDA-graph replayed, L2 flushed before every replay, median of 25:
+
+  up     v0.33.0's launcher (triton_turboquant_decode_attention) with the
+         buffers v0.33.0's decode path passes (its 32 splits)
+  new    the grouped launcher, the patch's defaults and split count
+  fwd    the patched impl.forward of the decode step (metadata from the
+         tree's builder, workspace locked after its reservation): query
+         rotation, grouped kernel, output copy
+  best   the grouped launcher at the sweep's best configuration (--sweep)
+  fa2    bf16 FlashAttention-2 decode over the same lengths: PyTorch's
+         aten._flash_attention_forward, dense batch (``fa2v``: varlen),
+         standing in for vllm_flash_attn
+  floor  compressed K/V bytes (B x L x Hk x slot) / copy bandwidth, measured
+         in the same run (``fa2 floor``: the bf16 bytes)
+
+Before timing, per preset, a decode step is checked on the device
+(``check``): both kernels against float64 attention over the K/V the cache
+holds (tqbatches.reference), and the forward path captured on the runner's
+dummy metadata, refilled and replayed, against an eager step, bit for bit.
+
+--sweep: the grouped kernel's BLOCK_KV x num_warps x programs per SM on
+four cells; per preset the best by the geometric mean of its times there.
+
+    python ci/gpu/tq_decode_bench.py --tree T --out DIR [--sweep] [--small]
+
+Writes DIR/tq_decode_bench.json and DIR/tq_decode_table.md (printed last).
+--small: CPU shapes in Triton's interpreter (no graphs), a sanity run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import itertools
+import json
+import math
+import statistics
+import sys
+import time
+import traceback
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import torch  # noqa: E402
+import tqlib  # noqa: E402
+from tqlib import h  # noqa: E402
+
+HQ, HK, D, BLOCK = 16, 4, 256, 16
+DTYPE = torch.bfloat16
+PRESETS = ("turboquant_4bit_nc", "turboquant_k8v4")
+BATCHES = (1, 8, 32, 128)
+LENS = (4096, 32768, 131072)
+REPS = 25
+CHECK_CACHED = [4095, 1000, 37, 2500]
+SWEEP_CELLS = ((1, 131072), (8, 32768), (32, 32768), (32, 131072))
+# (BLOCK_KV, num_warps): at most 256 elements of the [G, BLOCK_KV, D] tile
+# per thread; then programs per SM, a host choice.
+SWEEP_KERNELS = ((8, 1), (8, 2), (8, 4), (16, 2), (16, 4), (16, 8), (32, 4), (32, 8))
+SWEEP_PPSM = (2, 4, 8)
+FLUSH_BYTES = 256 << 20  # > H100's 50 MB L2
+
+
+def parse_args() -> argparse.Namespace:
+    global HQ, HK, D, BATCHES, LENS, REPS, CHECK_CACHED, SWEEP_CELLS
+    global SWEEP_KERNELS, SWEEP_PPSM, FLUSH_BYTES
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tree", required=True)
+    ap.add_argument("--out", required=True, help="directory for the results")
+    ap.add_argument("--sweep", action="store_true")
+    ap.add_argument("--deadline", type=float, default=0, help="seconds (420)")
+    ap.add_argument("--small", action="store_true", help="CPU sanity shapes")
+    args = ap.parse_args()
+    if args.small:
+        HQ, HK, D = 4, 1, 64
+        BATCHES, LENS, REPS, CHECK_CACHED = (1, 2), (48, 160), 2, [40, 3, 130]
+        SWEEP_CELLS, SWEEP_KERNELS, SWEEP_PPSM = ((2, 160),), ((16, 4), (8, 2)), (4,)
+        FLUSH_BYTES = 1 << 20
+    args.deadline = args.deadline or (1800 if args.small else 420)
+    return args
+
+
+# --------------------------------------------------------------------------
+# Timing: graph replays with L2 flushed
+# --------------------------------------------------------------------------
+
+
+def graph_time(fn, flush: torch.Tensor, reps: int) -> dict:
+    """Median over ``reps`` replays of ``fn`` captured in a CUDA graph, the
+    L2 flushed (``flush`` rewritten) before each; eager calls on CPU."""
+    fn()
+    tqlib.sync()
+    times = []
+    if not tqlib.HAS_CUDA:
+        for _ in range(reps):
+            t = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t) * 1e3)
+    else:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fn()
+        start = torch.cuda.Event(enable_timing=True)
+        end = torch.cuda.Event(enable_timing=True)
+        for _ in range(reps):
+            flush.zero_()
+            start.record()
+            graph.replay()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        del graph
+    return {"median_ms": statistics.median(times), "min_ms": min(times), "reps": reps}
+
+
+@contextlib.contextmanager
+def kernel_config(gd, block_kv: int, warps: int, ppsm: int):
+    """The grouped launcher's module constants, for a sweep point."""
+    old = gd._BLOCK_KV, gd._NUM_WARPS, gd._PROGRAMS_PER_SM
+    gd._BLOCK_KV, gd._NUM_WARPS, gd._PROGRAMS_PER_SM = block_kv, warps, ppsm
+    try:
+        yield
+    finally:
+        gd._BLOCK_KV, gd._NUM_WARPS, gd._PROGRAMS_PER_SM = old
+
+
+# --------------------------------------------------------------------------
+# The check: both kernels and the forward path against float64 attention
+# --------------------------------------------------------------------------
+
+
+def check(env, preset: str) -> dict:
+    """A decode step of CHECK_CACHED (tqbatches: context written, new tokens
+    stored): both kernels against the float64 reference, the grouped kernel
+    no worse than v0.33.0's (or within the output rounding); the forward
+    path captured on dummy metadata, refilled, replayed == eager."""
+    import tqbatches as tb
+
+    shape = tb.Shape(
+        hq=HQ, hk=HK, head=D, block=BLOCK, preset=preset, dtype=DTYPE,
+        max_model_len=max(CHECK_CACHED) + 16,
+    )  # fmt: skip
+    with pytest_free_monkeypatch() as setattr_:
+        backend = tb.open_backend(
+            env.tree, env.models / f"check_{preset}", shape, setattr_
+        )
+        try:
+            impl, layer, batch = tb.decode_batch(backend, CHECK_CACHED, seed=28)
+            splits = env.gd.grouped_decode_num_splits(
+                len(CHECK_CACHED), HK, 4096, tqlib.DEVICE
+            )
+            old, new = tb.decode_kernels(impl, layer, batch, splits, pad=1)
+            want = torch.cat(tb.reference(batch, impl, layer))
+            n = want.shape[0]
+            err_old = (old[:n].reshape(want.shape).double().cpu() - want).abs().max()
+            err_new = (new[:n].reshape(want.shape).double().cpu() - want).abs().max()
+            rounding = tb.half_ulp(DTYPE, want)
+            res = {
+                "splits": splits,
+                "err_up": float(err_old),
+                "err_new": float(err_new),
+                "half_ulp": rounding,
+                "new_no_worse": bool(err_new <= max(err_old, rounding) * 1.01),
+                "pad_row_zero": bool((new[n:] == 0).all()),
+            }
+            res.update(replay_check(tb, backend, impl, layer, batch))
+        finally:
+            tb.close_backend()
+    return res
+
+
+@contextlib.contextmanager
+def pytest_free_monkeypatch():
+    """A setattr that is undone on exit (tqbatches.open_backend takes one)."""
+    undo = []
+
+    def setattr_(obj, name, value):
+        undo.append((obj, name, getattr(obj, name)))
+        setattr(obj, name, value)
+
+    try:
+        yield setattr_
+    finally:
+        for obj, name, value in reversed(undo):
+            setattr(obj, name, value)
+
+
+def replay_check(tb, backend, impl, layer, batch) -> dict:
+    """Capture on the runner's dummy metadata, refill, replay (a CUDA graph
+    on the GPU; the same calls eagerly on CPU) == an eager step, bits."""
+    builder = backend.builder()
+    captured, bufs = tb.capture_metadata(builder, batch)
+    tb.forward(impl, layer, batch, captured)  # warm-up: compiles the kernels
+    out = {}
+    if tqlib.HAS_CUDA:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out["o"] = tb.forward(impl, layer, batch, captured)
+        tb.refill(bufs, batch)
+        graph.replay()
+        tqlib.sync()
+        replayed = out["o"].clone()
+    else:
+        tb.refill(bufs, batch)
+        replayed = tb.forward(impl, layer, batch, captured)
+    eager = tb.forward(impl, layer, batch, builder.build(0, batch.cam))
+    err = tb.plain(eager).double().cpu()
+    want = torch.cat(tb.reference(batch, impl, layer))
+    return {
+        "replay_equals_eager": bool(torch.equal(replayed, eager)),
+        "fwd_err": float((err[: want.shape[0]] - want).abs().max()),
+    }
+
+
+# --------------------------------------------------------------------------
+# One preset: config, impl, builder, a large cache
+# --------------------------------------------------------------------------
+
+
+class Preset:
+    """The impl, layer and builder of one preset (the workspace reserved by
+    the builder, then locked), and a cache of random bytes with finite
+    norms and scales holding the largest cell that fits."""
+
+    def __init__(self, env, preset: str, cells: list[tuple[int, int]]) -> None:
+        self.preset, self.env = preset, env
+        env.workspace.reset_workspace_manager()
+        env.workspace.init_workspace_manager(tqlib.DEVICE)
+        config = tqlib.make_config(
+            env, hq=HQ, hk=HK, d=D, preset=preset, block_size=BLOCK,
+            max_num_batched_tokens=8192, max_model_len=max(LENS) + BLOCK,
+            max_num_seqs=max(BATCHES),
+        )  # fmt: skip
+        self.impl = tqlib.make_impl(env, config, preset, HQ, HK, D)
+        self.builder = tqlib.make_builder(env, config, HQ, HK, D)
+        self.layer = tqlib.make_layer(env, self.impl, D)
+        self.impl._ensure_on_device(self.layer, tqlib.DEVICE)
+        env.workspace.lock_workspace()
+        self.cfg = self.impl.tq_config
+        self.slot = h.tq_slot_size(preset, D)
+        tokens = max(b * n for b, n in cells)
+        self.num_blocks = tokens // BLOCK + 1
+        cache = h.new_tq_kv_cache(
+            self.num_blocks, BLOCK, HK, D, preset, generator=None, device=tqlib.DEVICE
+        )
+        self.runner, self.slots = cache.runner, cache.slots
+        fill_fields(self.slots, self.cfg)
+
+    def metadata(self, batch: int, length: int) -> dict:
+        """Block table (random blocks), seq_lens, queries and the tree's
+        metadata of a decode step of ``batch`` requests of ``length``."""
+        per = length // BLOCK
+        g = torch.Generator(device=tqlib.DEVICE).manual_seed(batch * 7 + length)
+        perm = torch.randperm(self.num_blocks - 1, device=tqlib.DEVICE, generator=g)
+        table = (perm[: batch * per] + 1).view(batch, per).to(torch.int32)
+        seq_lens = torch.full((batch,), length, dtype=torch.int32, device=tqlib.DEVICE)
+        last = table[:, -1].long() * BLOCK + BLOCK - 1
+        qsl = torch.arange(batch + 1, dtype=torch.int32)
+        cam = h.common_attn_metadata(
+            query_start_loc=qsl.to(tqlib.DEVICE), query_start_loc_cpu=qsl,
+            seq_lens=seq_lens, num_reqs=batch, num_actual_tokens=batch,
+            max_query_len=1, max_seq_len=length, block_table_tensor=table,
+            slot_mapping=last, _seq_lens_cpu=seq_lens.cpu(),
+            seq_lens_cpu_upper_bound=seq_lens.cpu(),
+        )  # fmt: skip
+        query = tqlib.rand((batch, HQ * D), DTYPE, g)
+        return {"table": table, "seq_lens": seq_lens, "query": query,
+                "meta": self.builder.build(0, cam)}  # fmt: skip
+
+
+def fill_fields(slots: torch.Tensor, cfg) -> None:
+    """Finite fields in a cache of random bytes, in place: FP8 keys in
+    (-2, 2) (the top exponent bit cleared: no NaN), key norms, value scales
+    and zeros as the store gives N(0, 1) inputs."""
+    flat = slots.view(-1, slots.shape[2], slots.shape[3])  # the cache itself
+    levels = 2**cfg.effective_value_quant_bits - 1
+    val = cfg.key_packed_size + math.ceil(D * cfg.effective_value_quant_bits / 8)
+    step = 1 << 20
+    for a in range(0, flat.shape[0], step):
+        part = flat[a : a + step]
+        r = torch.rand(part.shape[0], HK, device=part.device)
+        if cfg.key_fp8:
+            part[..., :D].bitwise_and_(0xBF)
+        else:
+            put_fp16(part, cfg.key_packed_size - 2, D**0.5 * (0.75 + r))
+        scale = (4 + 2 * r) / levels
+        put_fp16(part, val, scale)
+        put_fp16(part, val + 2, -scale * levels / 2)
+
+
+def put_fp16(part: torch.Tensor, offset: int, values: torch.Tensor) -> None:
+    """fp16 ``values`` (n, Hk) into bytes offset, offset + 1 of each slot."""
+    fp16 = values.to(torch.float16).view(torch.uint8).view(*values.shape, 2)
+    part[..., offset : offset + 2] = fp16
+
+
+# --------------------------------------------------------------------------
+# The timed calls of one cell
+# --------------------------------------------------------------------------
+
+
+def launchers(env, p: Preset, cell: dict, batch: int) -> dict:
+    """The calls to time, each a closure over the cell's tensors: both
+    launchers with workspace buffers as the decode path takes them, and
+    the patched forward."""
+    from vllm.v1.attention.ops.triton_turboquant_decode import (
+        triton_turboquant_decode_attention,
+    )
+
+    ws = env.workspace.current_workspace_manager()
+    q = cell["query"].view(batch, HQ, D)
+    cfg, layer = p.cfg, p.layer
+    common = {
+        "query": q,
+        "kv_cache": p.slots,
+        "block_table": cell["table"],
+        "seq_lens": cell["seq_lens"],
+        "centroids": layer._tq_centroids,
+        "scale": p.impl.scale,
+        "mse_bits": cfg.key_mse_bits,
+        "key_packed_size": cfg.key_packed_size,
+        "value_quant_bits": cfg.effective_value_quant_bits,
+        "key_fp8": cfg.key_fp8,
+        "norm_correction": cfg.norm_correction,
+        "PiT": layer._tq_PiT,
+    }
+
+    def buffers(splits: int) -> dict:
+        mid, out, lse = ws.get_simultaneous(
+            ((batch, HQ, splits, D + 1), torch.float32),
+            ((batch, HQ, D), DTYPE),
+            ((batch, HQ), torch.float32),
+        )
+        return {"mid_o_buf": mid, "output_buf": out, "lse_buf": lse}
+
+    up_splits = p.impl.max_num_kv_splits
+
+    def up():
+        triton_turboquant_decode_attention(
+            Pi=layer._tq_Pi, max_num_kv_splits=up_splits, **buffers(up_splits),
+            **common,
+        )  # fmt: skip
+
+    def new():
+        budget = p.impl._max_num_reqs * up_splits // batch
+        s = env.gd.grouped_decode_num_splits(batch, HK, budget, tqlib.DEVICE)
+        env.gd.triton_turboquant_grouped_decode_attention(
+            num_kv_splits=s, **buffers(s), **common
+        )
+
+    kv = torch.zeros(batch, HK * D, dtype=DTYPE, device=tqlib.DEVICE)
+    out = torch.empty(batch, HQ * D, dtype=DTYPE, device=tqlib.DEVICE)
+
+    def fwd():
+        p.impl.forward(layer, cell["query"], kv, kv, p.runner, cell["meta"], output=out)
+
+    return {"up": up, "new": new, "fwd": fwd}
+
+
+def fa2_calls(kv: torch.Tensor | None, batch: int, length: int) -> dict:
+    """bf16 FA2 decode over ``batch`` x ``length`` tokens of ``kv`` (2, B * L,
+    Hk, D): the dense batch and the varlen form."""
+    if kv is None or kv.shape[1] < batch * length:
+        return {}
+    g = torch.Generator(device=tqlib.DEVICE).manual_seed(batch + length)
+    q = tqlib.rand((batch, 1, HQ, D), DTYPE, g)
+    k = kv[0, : batch * length].view(batch, length, HK, D)
+    v = kv[1, : batch * length].view(batch, length, HK, D)
+    cu_q = torch.arange(batch + 1, dtype=torch.int32, device=tqlib.DEVICE)
+    cu_k = cu_q * length
+    fa = torch.ops.aten._flash_attention_forward
+    scale = D**-0.5
+
+    def dense():
+        fa(q, k, v, None, None, 1, length, 0.0, False, False, scale=scale)
+
+    def varlen():
+        fa(
+            q.view(batch, HQ, D), k.view(-1, HK, D), v.view(-1, HK, D), cu_q, cu_k,
+            1, length, 0.0, False, False, scale=scale,
+        )  # fmt: skip
+
+    return {"fa2": dense, "fa2v": varlen}
+
+
+def run_cell(env, p: Preset, kv, batch: int, length: int, flush, best) -> dict:
+    row = {"preset": p.preset, "B": batch, "L": length}
+    bw = env.ceil["copy_bytes_per_s"]
+    row["floor_ms"] = batch * length * HK * p.slot / bw * 1e3
+    row["fa2_floor_ms"] = batch * length * HK * D * 2 * 2 / bw * 1e3
+    cell = p.metadata(batch, length)
+    calls = launchers(env, p, cell, batch)
+    if tqlib.HAS_CUDA:
+        calls.update(fa2_calls(kv, batch, length))
+    for name, fn in calls.items():
+        try:
+            row[name] = graph_time(fn, flush, REPS)["median_ms"]
+        except Exception as e:  # record, go on
+            row[name + "_error"] = f"{type(e).__name__}: {e}"[:300]
+            env.errors.append(traceback.format_exc()[-1500:])
+    if best is not None:
+        with kernel_config(env.gd, *best):
+            row["best"] = graph_time(calls["new"], flush, REPS)["median_ms"]
+    print(f"  {p.preset} B={batch} L={length}: " + ", ".join(
+        f"{k} {v:.3f}" for k, v in row.items() if isinstance(v, float)
+    ), flush=True)  # fmt: skip
+    return row
+
+
+# --------------------------------------------------------------------------
+# The sweep of the grouped kernel's configuration
+# --------------------------------------------------------------------------
+
+
+def sweep(env, p: Preset, flush, deadline: float) -> dict:
+    """BLOCK_KV x num_warps x programs per SM on SWEEP_CELLS (those that
+    fit): every point's times, and the best by their geometric mean."""
+    cells = [c for c in SWEEP_CELLS if c[0] * c[1] < p.num_blocks * BLOCK]
+    points = []
+    for (bkv, warps), ppsm in itertools.product(SWEEP_KERNELS, SWEEP_PPSM):
+        if time.time() > deadline or not cells:
+            break
+        times = []
+        try:
+            with kernel_config(env.gd, bkv, warps, ppsm):
+                for b, n in cells:
+                    new = launchers(env, p, p.metadata(b, n), b)["new"]
+                    times.append(graph_time(new, flush, REPS)["median_ms"])
+        except Exception as e:  # a configuration that does not compile
+            points.append({"config": [bkv, warps, ppsm], "error": str(e)[:200]})
+            continue
+        geo = math.exp(statistics.fmean(math.log(t) for t in times))
+        points.append({"config": [bkv, warps, ppsm], "ms": times, "geomean": geo})
+        print(f"  sweep {p.preset} {bkv, warps, ppsm}: {geo:.3f}", flush=True)
+    ok = [x for x in points if "geomean" in x]
+    best = min(ok, key=lambda x: x["geomean"])["config"] if ok else None
+    return {"cells": cells, "points": points, "best": best}
+
+
+# --------------------------------------------------------------------------
+# Driver
+# --------------------------------------------------------------------------
+
+
+def fitting_cells(preset: str) -> tuple[list, int]:
+    """Cells whose TurboQuant cache fits in half the free memory, and the
+    tokens of bf16 K/V that fit in what is left (0 on CPU)."""
+    slot = h.tq_slot_size(preset, D)
+    cells = list(itertools.product(BATCHES, LENS))
+    if not tqlib.HAS_CUDA:
+        return cells, 0
+    free = torch.cuda.mem_get_info()[0] - (4 << 30)
+    cells = [(b, n) for b, n in cells if b * n * HK * slot <= free // 2]
+    tq_bytes = max(b * n for b, n in cells) * HK * slot
+    left = free - tq_bytes - FLUSH_BYTES
+    fits = [b * n for b, n in itertools.product(BATCHES, LENS)
+            if b * n * HK * D * 4 <= left]  # fmt: skip
+    return cells, max(fits, default=0)
+
+
+def run_preset(env, preset: str, args, flush, res: dict) -> None:
+    cells, fa_tokens = fitting_cells(preset)
+    t0 = time.time()
+    res["checks"][preset] = check(env, preset)
+    print(f"[{preset}] check {res['checks'][preset]}", flush=True)
+    p = Preset(env, preset, cells)
+    kv = None
+    if fa_tokens:
+        kv = torch.empty(2, fa_tokens, HK, D, dtype=DTYPE, device=tqlib.DEVICE)
+        kv.normal_()
+    best = None
+    if args.sweep:
+        res["sweeps"][preset] = sweep(env, p, flush, args.t_end - 60)
+        best = res["sweeps"][preset]["best"]
+    for b, n in sorted(cells, key=lambda c: c[0] * c[1]):
+        if time.time() > args.t_end:
+            res["not_run"].append([preset, b, n])
+            continue
+        res["rows"].append(run_cell(env, p, kv, b, n, flush, best))
+    res["preset_s"][preset] = time.time() - t0
+    del p, kv
+    env.workspace.reset_workspace_manager()
+    if tqlib.HAS_CUDA:
+        torch.cuda.empty_cache()
+
+
+def table(res: dict) -> str:
+    cols = ("floor_ms", "up", "new", "fwd", "best", "fa2", "fa2v")
+    head = (
+        "| preset | B | L | " + " | ".join(cols) + " | new/floor | new/fa2 | up/new |"
+    )
+    device = res["device"].get("device")
+    bw = res["ceilings"]["copy_bytes_per_s"] / 1e12
+    title = f"### TurboQuant decode, ms ({device}, copy {bw:.2f} TB/s)"
+    lines = [title, "", head, "|" + "---|" * (len(cols) + 6)]
+    for r in res["rows"]:
+        cells = [f"{r[c]:.3f}" if c in r else "-" for c in cols]
+        fast = min(r.get("new", math.inf), r.get("best", math.inf))
+        ratio = [fast / r["floor_ms"], fast / r.get("fa2", math.nan),
+                 r.get("up", math.nan) / fast]  # fmt: skip
+        lines.append(
+            f"| {r['preset'].removeprefix('turboquant_')} | {r['B']} | {r['L']} | "
+            + " | ".join(cells)
+            + " | "
+            + " | ".join(f"{x:.2f}" for x in ratio)
+            + " |"
+        )
+    for preset, s in res["sweeps"].items():
+        lines.append(f"\nsweep {preset}: best (BLOCK_KV, warps, programs/SM) "
+                     f"{s['best']} of {len(s['points'])}")  # fmt: skip
+    for preset, c in res["checks"].items():
+        lines.append(f"check {preset}: {json.dumps(c)}")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> int:
+    args = parse_args()
+    args.t_end = time.time() + args.deadline
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    env = tqlib.use_tree(args.tree)
+    import vllm.v1.attention.ops.triton_turboquant_grouped_decode as gd
+
+    env.gd, env.errors = gd, []
+    env.ceil = tqlib.ceilings()
+    res = {
+        "device": tqlib.device_info(),
+        "ceilings": env.ceil,
+        "tree": str(env.tree),
+        "shape": {"Hq": HQ, "Hk": HK, "D": D, "block": BLOCK, "reps": REPS},
+        "defaults": [gd._BLOCK_KV, gd._NUM_WARPS, gd._PROGRAMS_PER_SM],
+        "checks": {},
+        "sweeps": {},
+        "rows": [],
+        "not_run": [],
+        "preset_s": {},
+    }
+    print(f"ceilings {env.ceil}", flush=True)
+    flush = torch.empty(FLUSH_BYTES, dtype=torch.uint8, device=tqlib.DEVICE)
+    for preset in PRESETS:
+        try:
+            run_preset(env, preset, args, flush, res)
+        except Exception:
+            env.errors.append(traceback.format_exc()[-3000:])
+            print(env.errors[-1], flush=True)
+    res["errors"] = env.errors
+    (out / "tq_decode_bench.json").write_text(json.dumps(res, indent=1, default=str))
+    text = table(res)
+    (out / "tq_decode_table.md").write_text(text)
+    print(text)
+    return 0 if not env.errors else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

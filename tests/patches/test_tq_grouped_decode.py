@@ -1,0 +1,317 @@
+"""TurboQuant decode with the GQA group as a tile dimension (tq-v0.33, the
+grouped split-K decode patch).
+
+v0.33.0's decode kernel runs one program per (request, query head, split):
+the ``Hq // Hk`` query heads that share a KV head each load and dequantize
+its compressed bytes again. The regression test counts, in Triton's
+interpreter, which programs of a decode step load each byte of the KV cache:
+one per query head on the base, one per query group patched (a performance
+bug cannot be timed here; the reads are its signature).
+
+The other tests hold the new kernel to the old one's numbers and contract:
+its outputs against float64 attention over the K/V the cache holds (read
+back from the bytes, ``tqbatches.dequant``) no worse than v0.33.0's kernel
+at every shape, for every preset; the same bits on the same inputs and
+after a CUDA-graph style capture and refill; within the workspace the
+builder reserves before the lock; and its split count from host sizes only.
+
+Small shapes: on CPU every Triton kernel runs in the interpreter.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+import tqbatches as tb
+import tqharness as h
+
+Req = tb.Req
+PRESETS = {
+    "4bit_nc": "turboquant_4bit_nc",
+    "k8v4": "turboquant_k8v4",
+    "3bit_nc": "turboquant_3bit_nc",
+    "k3v4_nc": "turboquant_k3v4_nc",
+}
+READS = r"^each KV head's bytes are read by \d+ programs per decode step"
+
+
+@pytest.fixture(scope="module", params=list(PRESETS))
+def env(
+    request: pytest.FixtureRequest,
+    vllm_tree: Path,
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[tb.Backend]:
+    """The tree's backend for a tiny GQA model (Hq 4, Hk 1, D 64)."""
+    shape = tb.Shape(hq=4, hk=1, head=64, preset=PRESETS[request.param])
+    with pytest.MonkeyPatch.context() as mp:
+        model_dir = tmp_path_factory.mktemp(f"tiny_{request.param}")
+        yield tb.open_backend(vllm_tree, model_dir, shape, mp.setattr)
+        tb.close_backend()
+
+
+# --------------------------------------------------------------------------
+# Reads of the KV cache, counted in Triton's interpreter
+# --------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def cache_reads(cache: torch.Tensor) -> Iterator[list]:
+    """Every load from ``cache``'s storage while the context is open, as
+    (program, byte addresses): a program is (launch, grid index)."""
+    from triton.runtime import interpreter
+
+    builder = interpreter.interpreter_builder
+    storage = cache.untyped_storage()
+    lo, hi = storage.data_ptr(), storage.data_ptr() + storage.nbytes()
+    reads: list = []
+    launches = [0]
+    set_grid_dim, masked_load = builder.set_grid_dim, builder.create_masked_load
+
+    def counting_grid_dim(*dims: int) -> None:
+        launches[0] += 1
+        set_grid_dim(*dims)
+
+    def counting_load(ptrs, mask, *args):
+        addrs = np.asarray(ptrs.data).astype(np.int64)
+        keep = np.broadcast_to(np.asarray(mask.data), addrs.shape)
+        keep = keep & (addrs >= lo) & (addrs < hi)
+        if keep.any():
+            size = ptrs.get_element_ty().primitive_bitwidth // 8
+            first = addrs[keep]
+            every = (first[:, None] + np.arange(size)[None, :]).ravel()
+            reads.append(((launches[0], *builder.grid_idx), every))
+        return masked_load(ptrs, mask, *args)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(builder, "set_grid_dim", counting_grid_dim)
+        mp.setattr(builder, "create_masked_load", counting_load)
+        yield reads
+
+
+@contextlib.contextmanager
+def launch_grids() -> Iterator[list]:
+    """The grid of every Triton launch while the context is open (in the
+    interpreter; nothing is recorded on a GPU)."""
+    from triton.runtime import interpreter
+
+    builder = interpreter.interpreter_builder
+    grids: list = []
+    set_grid_dim = builder.set_grid_dim
+
+    def recording(*dims: int) -> None:
+        grids.append(dims)
+        set_grid_dim(*dims)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(builder, "set_grid_dim", recording)
+        yield grids
+
+
+def attended_bytes(batch: tb.Batch, slot_size: int) -> np.ndarray:
+    """Addresses of the slot bytes of every token the batch attends to."""
+    slots = batch.kv_slots
+    s_block, s_pos, s_head, _ = slots.stride()
+    base = slots.untyped_storage().data_ptr() + slots.storage_offset()
+    block = slots.shape[1]
+    out = []
+    for req_slots in batch.slots:
+        for head in range(slots.shape[2]):
+            starts = (
+                base
+                + (req_slots // block) * s_block
+                + (req_slots % block) * s_pos
+                + head * s_head
+            )
+            out.append((starts[:, None] + torch.arange(slot_size)[None, :]).ravel())
+    return torch.cat(out).numpy()
+
+
+@pytest.mark.cpu_only  # counts loads in Triton's interpreter
+@pytest.mark.bug_signature(AssertionError, READS)
+def test_kv_bytes_read_once_per_query_group(env: tb.Backend) -> None:
+    """A decode step of three requests (Hq 4 on Hk 1): every byte of the
+    slots they attend to is loaded by one program, once."""
+    impl, layer, batch = tb.decode_batch(env, [200, 77, 16], seed=28)
+    meta = env.builder().build(0, batch.cam)
+    with cache_reads(batch.kv_cache) as reads:
+        tb.forward(impl, layer, batch, meta)
+    programs = {p: i for i, p in enumerate(dict.fromkeys(p for p, _ in reads))}
+    pid = np.concatenate([np.full(a.size, programs[p]) for p, a in reads])
+    addr = np.concatenate([a for _, a in reads])
+    readers = np.unique(np.stack([addr, pid]), axis=1)[0]
+    _, per_byte = np.unique(readers, return_counts=True)
+    group = env.shape.hq // env.shape.hk
+    if per_byte.max() > 1:
+        raise AssertionError(
+            f"each KV head's bytes are read by {per_byte.max()} programs per "
+            f"decode step, one per query head (Hq {env.shape.hq}, Hk "
+            f"{env.shape.hk}: group of {group}), not once per query group"
+        )
+    _, loads = np.unique(addr, return_counts=True)
+    assert loads.max() == 1, f"a cache byte is loaded {loads.max()} times"
+    want = attended_bytes(batch, h.tq_config(env.shape.preset, 64).slot_size)
+    assert np.array_equal(np.unique(addr), np.unique(want)), (
+        "the step reads other bytes than the attended tokens' slots"
+    )
+
+
+# --------------------------------------------------------------------------
+# The new kernel: numbers and contract
+# --------------------------------------------------------------------------
+
+
+def grouped_module() -> Any:
+    import vllm.v1.attention.ops.triton_turboquant_grouped_decode as gd
+
+    return gd
+
+
+# (Hq, Hk, D, block, cached contexts, splits): GQA 4, 2, 3 (padded to 4) and
+# 1; contexts of one token, across blocks, not a multiple of the kernel's
+# tile; one split, several, more than the tiles.
+SHAPES = {
+    "g4-d64": (4, 1, 64, 16, [0, 36, 99, 200], 3),
+    "g4-d64-one-split": (4, 1, 64, 16, [130], 1),
+    "g2-d128-b32": (4, 2, 128, 32, [64, 17], 5),
+    "g3-d64": (6, 2, 64, 16, [49, 128], 4),
+    "g1-d64-many-splits": (2, 2, 64, 16, [40], 64),
+}
+
+
+@pytest.fixture(scope="module")
+def shape_env(
+    request: pytest.FixtureRequest,
+    vllm_tree: Path,
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[tuple[tb.Backend, Any]]:
+    preset, key = request.param
+    hq, hk, d, block, cached, splits = SHAPES[key]
+    shape = tb.Shape(hq=hq, hk=hk, head=d, block=block, preset=PRESETS[preset])
+    with pytest.MonkeyPatch.context() as mp:
+        model_dir = tmp_path_factory.mktemp(f"tiny_{preset}_{key}")
+        yield tb.open_backend(vllm_tree, model_dir, shape, mp.setattr), (cached, splits)
+        tb.close_backend()
+
+
+@pytest.mark.parametrize(
+    "shape_env",
+    [(p, s) for p in PRESETS for s in SHAPES],
+    ids=[f"{p}-{s}" for p in PRESETS for s in SHAPES],
+    indirect=True,
+)
+def test_matches_reference_no_worse_than_v0_33(shape_env) -> None:
+    """Both kernels against float64 attention over what the cache holds:
+    the grouped kernel's largest error is at most v0.33.0's, or within the
+    output's own rounding (half an fp16 ulp at the largest |output|). A
+    padding row of no tokens gives zeros; the same inputs give the same
+    bits."""
+    env, (cached, splits) = shape_env
+    impl, layer, batch = tb.decode_batch(env, cached, seed=sum(cached) + splits)
+    old, new = tb.decode_kernels(impl, layer, batch, splits, pad=1, old_splits=4)
+    want = torch.cat(tb.reference(batch, impl, layer))
+    got_new, got_old = new[:-1].reshape(want.shape), old[:-1].reshape(want.shape)
+    err_new = (got_new.double() - want).abs().max().item()
+    err_old = (got_old.double() - want).abs().max().item()
+    bound = max(err_old, tb.half_ulp(new.dtype, want))
+    assert err_new <= bound * 1.01, (
+        f"grouped decode error {err_new:.3g} > v0.33.0's {err_old:.3g} "
+        f"(output rounding {tb.half_ulp(new.dtype, want):.3g})"
+    )
+    assert torch.equal(new[-1], torch.zeros_like(new[-1])), "padding row not zero"
+    _, again = tb.decode_kernels(impl, layer, batch, splits, pad=1, old_splits=1)
+    assert torch.equal(again[:-1], new[:-1]), "same inputs, other bits"
+
+
+def test_graph_replay_matches_eager(env: tb.Backend) -> None:
+    """A decode step through the impl with metadata captured on the runner's
+    dummy values (device tensors unreadable on the host), then refilled, as
+    a full CUDA graph replays it: the same launches (grids: the split count)
+    as the eager step, bit-identical to it, right."""
+    impl, layer, batch = tb.decode_batch(env, [45, 3, 130], seed=7)
+    builder = env.builder()
+    captured, bufs = tb.capture_metadata(builder, batch, watch=True)
+    tb.forward(impl, layer, batch, captured)  # the capture: dummy contents
+    tb.refill(bufs, batch)
+    with launch_grids() as replay_grids:
+        replayed = tb.forward(impl, layer, batch, captured)
+    with launch_grids() as eager_grids:
+        eager = tb.forward(impl, layer, batch, builder.build(0, batch.cam))
+    assert replay_grids == eager_grids, (
+        f"replay launches {replay_grids}, eager {eager_grids}"
+    )
+    assert torch.equal(replayed, eager), "replay differs from eager"
+    tb.assert_matches_reference(eager, batch, impl, layer)
+
+
+def decode_requests(calls: list, head: int) -> list[int]:
+    """Bytes of each recorded workspace request for decode buffers: its
+    first buffer the (B, Hq, splits, D + 1) fp32 partials."""
+    return [
+        sum(math.prod(shape) * dtype.itemsize for shape, dtype in req)
+        for req in calls
+        if len(req[0][0]) == 4 and req[0][0][-1] == head + 1
+    ]
+
+
+def test_decode_within_reserved_workspace(env: tb.Backend) -> None:
+    """Decode steps of one request (the most splits) and of max_num_seqs
+    requests ask the workspace for no more than the builder reserves for
+    decode (and, locked after the reservation as after graph capture, get
+    it); a batch of one spends more splits than v0.33.0's fixed count."""
+    from vllm.v1.worker import workspace
+
+    calls: list = []
+    get = workspace.WorkspaceManager.get_simultaneous
+
+    def recording(self, *shapes_and_dtypes):
+        calls.append(shapes_and_dtypes)
+        return get(self, *shapes_and_dtypes)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(workspace.WorkspaceManager, "get_simultaneous", recording)
+        # As the runner: a fresh manager, the builder's reservation, the lock.
+        workspace.reset_workspace_manager()
+        workspace.init_workspace_manager(tb.DEVICE)
+        env.builder()
+        (reserved,) = decode_requests(calls, env.shape.head)
+        manager = workspace.current_workspace_manager()
+        manager.lock()
+        try:
+            for cached in ([70], [5, 33, 16, 1, 64, 2, 17, 40]):
+                impl, layer, batch = tb.decode_batch(env, cached, seed=len(cached))
+                meta = env.builder().build(0, batch.cam)
+                out = tb.forward(impl, layer, batch, meta)
+                tb.assert_matches_reference(out, batch, impl, layer)
+        finally:
+            manager.unlock()
+    asked = decode_requests(calls, env.shape.head)[1:]
+    assert asked and max(asked) <= reserved, (
+        f"decode asks the workspace for {asked} bytes, {reserved} reserved"
+    )
+    one = grouped_module().grouped_decode_num_splits(
+        1, env.shape.hk, impl._max_num_reqs * impl.max_num_kv_splits, tb.DEVICE
+    )
+    assert one > impl.max_num_kv_splits
+
+
+def test_num_splits_from_host_sizes() -> None:
+    """Splits fill the GPU at batch 1, shrink as the batch grows, stay in
+    [1, max_splits]; the same sizes give the same count."""
+    gd = grouped_module()
+    dev = tb.DEVICE
+    sms = gd._num_sms(dev)
+    counts = [gd.grouped_decode_num_splits(b, 4, 1024, dev) for b in (1, 8, 32, 128)]
+    assert counts == sorted(counts, reverse=True) and counts[-1] >= 1
+    assert 4 * counts[0] >= gd._PROGRAMS_PER_SM * sms
+    assert gd.grouped_decode_num_splits(1, 4, 3, dev) == 3
+    assert gd.grouped_decode_num_splits(1 << 20, 4, 64, dev) == 1
+    assert counts == [
+        gd.grouped_decode_num_splits(b, 4, 1024, dev) for b in (1, 8, 32, 128)
+    ]
