@@ -46,7 +46,6 @@ there).
 from __future__ import annotations
 
 import os
-import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -230,15 +229,17 @@ def async_batches(draw: Any, lim: Limits = LIMITS) -> tuple[list[Req], dict[int,
 
 
 @pytest.fixture(scope="module", autouse=True)
-def report_worst() -> Iterator[None]:
-    """The long mode prints the largest error of a row that passed."""
+def report_worst(request: pytest.FixtureRequest) -> Iterator[None]:
+    """The long mode prints the largest error of a row that passed (with
+    pytest's capture off: a teardown's output is shown on failure only)."""
     yield
-    if LONG:
-        print(
-            f"\ntest_tq_batches: largest |out - reference| of a passing row: "
-            f"{tb.WORST['error']:.3g} (tolerance {tb.TOLERANCE})",
-            file=sys.__stderr__,
-        )
+    capture = request.config.pluginmanager.getplugin("capturemanager")
+    if LONG and capture is not None:
+        with capture.global_and_fixture_disabled():
+            print(
+                f"\ntest_tq_batches: largest |out - reference| of a passing "
+                f"row: {tb.WORST['error']:.3g} (tolerance {tb.TOLERANCE})"
+            )
 
 
 # --------------------------------------------------------------------------

@@ -216,9 +216,9 @@ def test_matches_reference_no_worse_than_v0_33(shape_env) -> None:
     impl, layer, batch = tb.decode_batch(env, cached, seed=sum(cached) + splits)
     old, new = tb.decode_kernels(impl, layer, batch, splits, pad=1, old_splits=4)
     want = torch.cat(tb.reference(batch, impl, layer))
-    got_new, got_old = new[:-1].reshape(want.shape), old[:-1].reshape(want.shape)
-    err_new = (got_new.double() - want).abs().max().item()
-    err_old = (got_old.double() - want).abs().max().item()
+    got_new, got_old = (t[:-1].cpu().double().reshape(want.shape) for t in (new, old))
+    err_new = (got_new - want).abs().max().item()
+    err_old = (got_old - want).abs().max().item()
     bound = max(err_old, tb.half_ulp(new.dtype, want))
     assert err_new <= bound * 1.01, (
         f"grouped decode error {err_new:.3g} > v0.33.0's {err_old:.3g} "

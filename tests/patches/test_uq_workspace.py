@@ -206,7 +206,7 @@ def attend(q, k, v, first_pos: int, scale: float, window, sinks) -> torch.Tensor
         seen &= q_pos - k_pos < window
     s = s.masked_fill(~seen, -math.inf)
     if sinks is not None:
-        sink = sinks.double().view(-1, 1, 1).expand(-1, q.shape[0], 1)
+        sink = sinks.cpu().double().view(-1, 1, 1).expand(-1, q.shape[0], 1)
         s = torch.cat([s, sink], dim=-1)
         vv = torch.cat([vv, vv.new_zeros(1, *vv.shape[1:])])
     return torch.einsum("hqk,khd->qhd", s.softmax(-1), vv)
