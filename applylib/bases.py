@@ -243,6 +243,15 @@ def pip_platform_args() -> list[str]:
     return args
 
 
+def index_versions(pip_line: str) -> list[str] | None:
+    """The releases pip's "Could not find a version" line lists, oldest
+    first; None for any other line or an empty list (nothing reached)."""
+    m = re.search(r"\(from versions: ([^)]*)\)", pip_line)
+    if not m or m.group(1).strip() in ("", "none"):
+        return None
+    return [v.strip() for v in m.group(1).split(",")]
+
+
 def release_wheel(version: str) -> Path:
     """The official wheel of a release: from the cache, or downloaded by pip."""
     dist = cache_dir() / "dist"
@@ -250,10 +259,6 @@ def release_wheel(version: str) -> Path:
     found = sorted(dist.glob(f"vllm-{version}-*.whl"))
     if found:
         return found[0]
-    say(
-        f"apply.py: downloading the vllm {version} release wheel with pip "
-        "(about 250 MB, once; cached in {})".format(dist)
-    )
     t0 = time.monotonic()
     with tempfile.TemporaryDirectory(dir=dist) as tmp:
         cmd = [
@@ -275,15 +280,26 @@ def release_wheel(version: str) -> Path:
             cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
         )
         assert proc.stdout is not None
-        tail = []
+        tail, versions = [], None
         for line in proc.stdout:
             line = line.rstrip()
             if line.startswith("WARNING: Location"):
                 continue
             tail = (tail + [line])[-5:]
+            if line.startswith("Collecting"):  # pip found the release
+                say(
+                    f"apply.py: downloading the vllm {version} release wheel "
+                    f"with pip (about 250 MB, once; cached in {dist})"
+                )
             if line.startswith(("Collecting", "Downloading", "Saved")):
                 say(f"  pip: {line.strip()}")
+            versions = index_versions(line) or versions
         if proc.wait() != 0:
+            if versions:  # the index answered, without this release
+                raise UserError(
+                    f"vllm {version} is not a release with a wheel for Linux "
+                    f"x86_64 (the newest is {versions[-1]})"
+                )
             raise BaseUnavailable(
                 f"pip could not download vllm=={version}: {' / '.join(tail)}",
                 f"pip download --no-deps --only-binary=:all: vllm=={version} -d {dist}",

@@ -6,7 +6,10 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import zipfile
 from pathlib import Path
+
+import pytest
 
 from conftest import git, isolated_cache, real_cache, run_offline
 
@@ -92,3 +95,40 @@ def test_real_v0_20_2_base_and_fixture_stack(tmp_path: Path) -> None:
     row = st["patches"][0]
     assert row["apply"] == "clean"
     assert row["regression"] == {"base": "fail", "patched": "pass"}
+
+
+def fake_index(path: Path, version: str) -> Path:
+    """A find-links folder whose only vllm is a stand-in wheel of `version`."""
+    path.mkdir()
+    tag = "cp38-abi3-manylinux_2_28_x86_64"
+    info = f"vllm-{version}.dist-info"
+    with zipfile.ZipFile(path / f"vllm-{version}-{tag}.whl", "w") as z:
+        z.writestr("vllm/__init__.py", "")
+        z.writestr(f"{info}/METADATA",
+                   f"Metadata-Version: 2.1\nName: vllm\nVersion: {version}\n")
+        z.writestr(f"{info}/WHEEL", "Wheel-Version: 1.0\nGenerator: test\n"
+                   f"Root-Is-Purelib: false\nTag: {tag}\n")
+        z.writestr(f"{info}/RECORD", "")
+    return path
+
+
+def test_base_that_is_no_release(tmp_path: Path,
+                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """A release the package index does not have is bad input (exit 2, one
+    line naming the newest it has); an index that cannot be reached leaves
+    the base unverified with the command to fetch it (exit 1), not a bug."""
+    isolated_cache(tmp_path)  # the stack's pin, v0.20.2, from the real wheel
+    assert run("base", "v0.20.2", cwd=tmp_path).returncode == 0
+    monkeypatch.setenv("PIP_NO_INDEX", "1")
+    monkeypatch.setenv("PIP_FIND_LINKS", str(fake_index(tmp_path / "idx", "0.1.0")))
+    p = run("--base", "v9.9.9", "--stack", "tq", cwd=tmp_path)
+    assert p.returncode == 2, p.stdout + p.stderr
+    assert p.stderr.strip() == ("apply.py: error: vllm 9.9.9 is not a release "
+                                "with a wheel for Linux x86_64 (the newest is "
+                                "0.1.0)"), p.stderr
+    (tmp_path / "empty").mkdir()
+    monkeypatch.setenv("PIP_FIND_LINKS", str(tmp_path / "empty"))
+    p = run("--base", "v9.9.9", "--stack", "tq", cwd=tmp_path)
+    assert p.returncode == 1, p.stdout + p.stderr
+    assert "not verified (base unavailable): tq" in p.stdout
+    assert "pip download --no-deps --only-binary=:all: vllm==9.9.9" in p.stdout

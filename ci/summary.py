@@ -1,0 +1,54 @@
+"""CI's last lines: what ran where. The patch tests (tests/patches/) need a
+vLLM tree, so the main job runs them on each stack's base and patched tree
+(build/report.json) and the mutants run re-runs them on each wrong fix
+(build/mutants.json); the final pytest run holds the tool's own tests."""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections import Counter
+from pathlib import Path
+
+
+def load(path: Path, key: str) -> list[dict] | None:
+    try:
+        return json.loads(path.read_text())[key]
+    except (OSError, ValueError, KeyError):
+        return None
+
+
+def counts(c: Counter) -> str:
+    return ", ".join(f"{k}: {n}" for k, n in c.most_common())
+
+
+def main(build: Path) -> int:
+    stacks = load(build / "report.json", "stacks")
+    if stacks is None:
+        print("ci: main job: no build/report.json (it did not finish)")
+    else:
+        patches = [p for s in stacks for p in s["patches"]]
+        regression = Counter(
+            "{base} on the base, {patched} patched".format(**p["regression"])
+            for p in patches
+            if p.get("regression")
+        )
+        tests = Counter(p.get("tests") for p in patches)
+        print(
+            f"ci: main job: {len(patches)} patches in {len(stacks)} stacks, "
+            "each one's tests run on its base and patched tree: regression "
+            f"tests {counts(regression)}; all its tests {counts(tests)} "
+            "(build/report.txt)"
+        )
+    mutants = load(build / "mutants.json", "mutants")
+    if mutants is None:
+        print("ci: mutants: no build/mutants.json (the run did not finish)")
+    else:
+        outcomes = Counter(m.get("outcome") for m in mutants)
+        print(f"ci: mutants: {len(mutants)} wrong fixes: {counts(outcomes)}")
+    print("ci: the pytest run above: the tool's own tests (tests/tool)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(Path(sys.argv[1] if len(sys.argv) > 1 else "build")))
