@@ -21,8 +21,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from .core import gout
-from .rebase import try_apply
-from .runner import APPLIED, positions, ran, run_positions, table
+from .runner import APPLIED, positions, ran, run_positions, table, try_apply
 from .series import Patch, Series, Stack, load_patch, short_name
 from .testrun import Outcome, aggregate, test_python
 

@@ -23,7 +23,6 @@ from .bases import (
     find_user_repo,
     ref_label,
     resolve_base,
-    with_pinned_base,
     worktree,
 )
 from .core import (
@@ -39,6 +38,7 @@ from .core import (
     rev_commit,
     say,
 )
+from .culprit import cmd_culprit
 from .pinned import fetched_dir
 from .runner import (
     PatchResult,
@@ -49,11 +49,11 @@ from .runner import (
     git_am,
     judge,
     positions,
-    preimages,
     ran,
     run_positions,
     table,
     test_plan,
+    try_apply,
 )
 from .series import (
     Patch,
@@ -630,28 +630,6 @@ def parse_range(text: str, user_repo: Path | None, offline: bool) -> list[str]:
     return commits
 
 
-def try_apply(
-    series: Series,
-    stack: Stack,
-    rev: str,
-    user_repo: Path | None,
-    args: argparse.Namespace,
-    key: str,
-) -> tuple[Base | None, dict[str, PatchResult], str]:
-    try:
-        base, pinned = with_pinned_base(
-            stack, rev, user_repo, args.offline, fetched_dir(args)
-        )
-    except BaseUnavailable as e:
-        return None, {}, e.reason
-    patches = [load_patch(series, p) for p in stack.patches]
-    preimages(stack, patches, base, pinned)
-    res = {p.file: PatchResult(p.file) for p in patches}
-    wt = worktree(base.repo, f"{stack.name}-{key}", base.commit)
-    apply_stack(wt, patches, res)
-    return base, res, ""
-
-
 def time_machine(
     series: Series,
     stack: Stack,
@@ -786,8 +764,6 @@ def cmd_status(args: argparse.Namespace) -> int:
     else:
         revs = parse_range(args.releases, user_repo, args.offline)
     if args.culprit:
-        from .culprit import cmd_culprit
-
         return cmd_culprit(series, stack, revs, user_repo, args)
     columns = [status_column(series, stack, rev, user_repo, args) for rev in revs]
     print_matrix([load_patch(series, p) for p in stack.patches], columns)

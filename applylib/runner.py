@@ -503,3 +503,25 @@ def cmd_apply(args: argparse.Namespace) -> int:
         Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
         print(f"report: {args.json}")
     return code
+
+
+def try_apply(
+    series: Series,
+    stack: Stack,
+    rev: str,
+    user_repo: Path | None,
+    args: argparse.Namespace,
+    key: str,
+) -> tuple[Base | None, dict[str, PatchResult], str]:
+    try:
+        base, pinned = with_pinned_base(
+            stack, rev, user_repo, args.offline, fetched_dir(args)
+        )
+    except BaseUnavailable as e:
+        return None, {}, e.reason
+    patches = [load_patch(series, p) for p in stack.patches]
+    preimages(stack, patches, base, pinned)
+    res = {p.file: PatchResult(p.file) for p in patches}
+    wt = worktree(base.repo, f"{stack.name}-{key}", base.commit)
+    apply_stack(wt, patches, res)
+    return base, res, ""
