@@ -57,7 +57,9 @@ def add_global_options(p: argparse.ArgumentParser) -> None:
         "./vllm, else the tool's cache filled from a remote or PyPI)",
     )
     p.add_argument(
-        "--stack", help="stack to apply (default: all; with --base, the first)"
+        "--stack",
+        help="stack to apply (default: all; with --base, the stack pinned to "
+        "that release, else to the newest release before it)",
     )
     p.add_argument("--json", help="write the JSON report here")
     p.add_argument(

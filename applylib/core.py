@@ -242,6 +242,8 @@ def common(
             sp.add_argument(f"--{n}", default=argparse.SUPPRESS, help=words[n])
 
 
-def patch_names(sp: argparse.ArgumentParser) -> None:
+def patch_names(
+    sp: argparse.ArgumentParser, help: str = "patch file names or prefixes"
+) -> None:
     """The positional list of patches a command works on (default: all)."""
-    sp.add_argument("patches", nargs="*", help="patch file names or prefixes")
+    sp.add_argument("patches", nargs="*", help=help)

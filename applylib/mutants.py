@@ -214,8 +214,15 @@ def cmd_mutants(args: argparse.Namespace) -> int:
     probs = lint_mutants(series)
     if probs:
         raise UserError(probs[0])
+    stacks = {s.name: s for s in series.stacks}
     if args.patches:
-        picked = [pick_patch(series, w) for w in args.patches]
+        picked = []
+        for w in args.patches:  # a stack's name, or one patch
+            if w in stacks:
+                st = stacks[w]
+                picked += [(st, p) for p in st.patches if load_mutants(series, st, p)]
+            else:
+                picked.append(pick_patch(series, w))
     else:
         picked = [
             (s, p)
@@ -269,9 +276,10 @@ def add_mutants_command(sub: argparse._SubParsersAction) -> None:
         "the bug put back another way, or a plausible wrong fix) to the tree "
         "the patch makes, run the patch's tests, and fail when a mutant "
         "survives.",
-        epilog="example:\n  python apply.py mutants tq/0001",
+        epilog="examples:\n  python apply.py mutants tq/0001\n"
+        "  python apply.py mutants tq-v0.33",
     )
-    patch_names(m)
+    patch_names(m, "stack names, patch file names or prefixes")
     m.add_argument("--base", default=None, help="base (default: each stack's pin)")
     m.add_argument("--json", help="write the results here")
     m.add_argument(
