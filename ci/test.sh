@@ -24,7 +24,7 @@ export TORCHINDUCTOR_CACHE_DIR=$ci/inductor HF_HUB_OFFLINE=1
 if [ -z "${VLLM_PATCHES_FETCHED:-}" ] && [ -d ../shared/fixtures/dsv4 ]; then
   export VLLM_PATCHES_FETCHED=$(cd ../shared/fixtures/dsv4 && pwd)
 fi
-.venv/bin/python apply.py --json build/report.json 2>&1 | tee build/report.txt
+.venv/bin/python apply.py --require-all --json build/report.json 2>&1 | tee build/report.txt
 main=${PIPESTATUS[0]}
 # after the main job, so the bases are at hand for the export round-trip
 .venv/bin/python apply.py check
