@@ -16,7 +16,7 @@ Examples:
     python apply.py base v0.21.0             # obtain a release base offline
 
 Standard library and git only. This file is the entry point; the code is in
-applylib/ beside it, one module per responsibility (README: Layout).
+applylib/ beside it, one module per responsibility (docs/layout.md).
 Exit codes: 0 all good; 1 a patch conflicted or a test failed; 2 bad input or
 environment (one line on stderr).
 """
