@@ -12,7 +12,9 @@
 # tq-v0.33/0004-0007: uq_cudagraph.py's real full-graph capture and replay on
 # tq33-base and tq33-patched, and the UltraQuant tests on tq33-patched),
 # decode (issue 28: tq_decode_bench.py with its sweep on tq33-held, then
-# the grouped decode's tests there); default the first three. DEADLINE_S (default
+# the grouped decode's tests there), noflash (issue 27: the continuation
+# bench without flash-attn on tq33-base and tq33-patched, and the TurboQuant
+# tests on tq33-patched); default the first three. DEADLINE_S (default
 # 570): every part gets what is left of it, so the summary is always written. Results go to $OUT
 # (tq_cudagraph.json, tq_continuation_bench.json, tests.json, tables.md,
 # logs.tar.gz, run.log); the summary tables are printed last.
@@ -111,6 +113,19 @@ if has newest; then
   reg=$(for p in $(grep -E '^tq-v0.33/' series); do
           grep -m1 '^Tests:' "patches/$p" | cut -d' ' -f2-; done)
   BASE_TREE= pt tq33_base_regression tq33-base $reg
+fi
+
+if has noflash; then
+  # Continuation prefill without vLLM's flash-attn (issue 27, item 1): the
+  # bench in sdpa mode only, v0.33.0 (b) and tq-v0.33 (c), as bench33_*.json
+  # (the newest stack's tables), then tq-v0.33's TurboQuant tests on CUDA
+  # (test_fused_attention_with_lse: PyTorch's FA2 and memory-efficient
+  # kernels against float64).
+  for v in c:tq33-patched b:tq33-base; do
+    run bench33_${v%%:*} 150 $PY ci/gpu/tq_continuation_bench.py --tree $T/${v#*:} \
+      --variant ${v%%:*} --modes sdpa --out $W/bench33_${v%%:*}.json
+  done
+  BASE_TREE= pt nf33_patched tq33-patched tests/patches/test_tq_workspace.py
 fi
 
 if has batches; then

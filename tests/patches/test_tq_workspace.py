@@ -777,6 +777,57 @@ def _v0202_continuation(impl, layer, q, k_chunk, v_chunk, cache, bt, cached_len)
     return out[0].transpose(0, 1)
 
 
+# The attention without flash-attn takes PyTorch's fused kernels: the CPU
+# flash kernel on CPU; FlashAttention-2 or the memory-efficient kernel on CUDA.
+FUSED_KINDS = ("flash", "efficient") if HAS_CUDA else ("cpu",)
+
+
+@pytest.mark.parametrize("kind", FUSED_KINDS)
+@pytest.mark.parametrize(
+    "dtype",
+    [torch.float16, torch.bfloat16, torch.float32],
+    ids=["fp16", "bf16", "fp32"],
+)
+@pytest.mark.parametrize("causal", [True, False], ids=["chunk", "tile"])
+def test_fused_attention_with_lse(
+    tq_env, device, monkeypatch, kind, dtype, causal
+) -> None:
+    """PyTorch's fused attention with its log-sum-exp, as the continuation
+    calls it without flash-attn (the chunk's own keys causally, a context
+    tile without a mask), against float64: grouped and plain heads."""
+    tqa = backend_module()
+    if not hasattr(tqa, "_fused_attention_with_lse"):
+        pytest.skip("tree without the fused no-flash-attn path")
+    if kind == "flash" and dtype == torch.float32:
+        pytest.skip("FlashAttention-2 takes 16-bit inputs only")
+    monkeypatch.setattr(tqa, "_fused_attention_kind", lambda *args: kind)
+    g = torch.Generator(device=device).manual_seed(11)
+    for Hq, Hk, D in ((4, 1, 128), (8, 2, 256), (2, 2, 64)):
+        q_len = 37
+        k_len = q_len if causal else 100
+        q, k, v = (
+            torch.randn(n, h_, D, generator=g, device=device).to(dtype)
+            for n, h_ in ((q_len, Hq), (k_len, Hk), (k_len, Hk))
+        )
+        scale = D**-0.5
+        out, lse = tqa._fused_attention_with_lse(q, k, v, causal, scale)
+        rep = Hq // Hk
+        s = torch.einsum(
+            "qhd,khd->hqk", q.double(), k.double().repeat_interleave(rep, 1)
+        )
+        s = s * scale
+        if causal:
+            hidden = torch.ones(q_len, k_len, dtype=torch.bool, device=device)
+            s = s.masked_fill(hidden.triu(1), float("-inf"))
+        want = torch.einsum(
+            "hqk,khd->qhd", s.softmax(-1), v.double().repeat_interleave(rep, 1)
+        )
+        assert out.shape == (q_len, Hq, D) and lse.shape == (Hq, q_len)
+        atol = 1e-4 if dtype == torch.float32 else 2e-2
+        torch.testing.assert_close(out.double(), want, atol=atol, rtol=1e-2)
+        torch.testing.assert_close(lse.double(), s.logsumexp(-1), atol=atol, rtol=1e-3)
+
+
 def triton_next_pow2(n: int) -> int:
     return 1 << (n - 1).bit_length()
 
