@@ -53,6 +53,14 @@ pack() {  # name dir-holding-vllm
 export_ref() {  # git-dir ref dest
   mkdir -p "$3"; git --git-dir "$1" archive "$2" vllm | tar -x -C "$3"
 }
+overlay() {  # from-tree new-tree folder ext: from + ci/gpu/<folder>/*.<ext>
+  cp -a "$work/$1" "$work/$2"
+  for d in "$here/$3"/*."$4"; do
+    (cd "$work/$2" && git apply -p1 "$d")
+    echo "  + $3 $(basename "$d") sha256=$(sha256sum "$d" | cut -c1-16)" >> "$out/MANIFEST"
+  done
+  pack "$2" "$work/$2" "$1 + ci/gpu/$3/*.$4 (not in the series)"
+}
 apply_stack() {  # stack dest
   local p
   for p in $(grep -E "^$1/" "$root/series"); do
@@ -79,12 +87,7 @@ if [ -d "$cache" ]; then
   # Proposed changes (ci/gpu/proposed/*.diff, not in the series) on top of
   # the patched tree, for run.sh's `fix` part; only with PACK_FIX=1.
   if [ "${PACK_FIX:-0}" = 1 ] && ls "$here"/proposed/*.diff >/dev/null 2>&1; then
-    cp -a "$work/tq-patched" "$work/tq-fix"
-    for d in "$here"/proposed/*.diff; do
-      (cd "$work/tq-fix" && git apply -p1 "$d")
-      echo "  + proposed $(basename "$d") sha256=$(sha256sum "$d" | cut -c1-16)" >> "$out/MANIFEST"
-    done
-    pack tq-fix "$work/tq-fix" "tq-patched + ci/gpu/proposed/*.diff (not in the series)"
+    overlay tq-patched tq-fix proposed diff
   fi
   if git --git-dir "$cache" rev-parse -q --verify v0.33.0 >/dev/null; then
     export_ref "$cache" v0.33.0 "$work/tq33-base"
@@ -92,13 +95,7 @@ if [ -d "$cache" ]; then
     export_ref "$cache" v0.33.0 "$work/tq33-patched"
     apply_stack tq-v0.33 "$work/tq33-patched"
     pack tq33-patched "$work/tq33-patched" "v0.33.0 + series tq-v0.33 patches (git apply)"
-    # held patches (ci/gpu/held/*.patch, not in the series) on top
-    cp -a "$work/tq33-patched" "$work/tq33-held"
-    for d in "$here"/held/*.patch; do
-      (cd "$work/tq33-held" && git apply -p1 "$d")
-      echo "  + held $(basename "$d") sha256=$(sha256sum "$d" | cut -c1-16)" >> "$out/MANIFEST"
-    done
-    pack tq33-held "$work/tq33-held" "tq33-patched + ci/gpu/held/*.patch (not in the series)"
+    overlay tq33-patched tq33-held held patch  # held out of the series
   else
     echo "pack.sh: no v0.33.0 in $cache (apply.py --stack tq-v0.33 fills it); tq33 trees left out" | tee -a "$out/MANIFEST"
   fi
