@@ -13,7 +13,6 @@
 #                series; only with PACK_FIX=1)
 #   tq33-base    v0.33.0 release sources (the tq-v0.33 stack's pin)
 #   tq33-patched v0.33.0 + the tq-v0.33 patches of ./series
-#   tq33-held    tq33-patched + ci/gpu/held/*.patch (held out of the series)
 #   dsv4-base    the dsv4 base, assembled by apply.py from v0.20.0 and the
 #                pinned files ($VLLM_PATCHES_FETCHED)
 #   dsv4-patched dsv4-base + the dsv4 patches of ./series
@@ -95,7 +94,6 @@ if [ -d "$cache" ]; then
     export_ref "$cache" v0.33.0 "$work/tq33-patched"
     apply_stack tq-v0.33 "$work/tq33-patched"
     pack tq33-patched "$work/tq33-patched" "v0.33.0 + series tq-v0.33 patches (git apply)"
-    overlay tq33-patched tq33-held held patch  # held out of the series
   else
     echo "pack.sh: no v0.33.0 in $cache (apply.py --stack tq-v0.33 fills it); tq33 trees left out" | tee -a "$out/MANIFEST"
   fi

@@ -11,7 +11,7 @@
 # ci/gpu/proposed/, benchmarked against (b) and tested), uq (UltraQuant,
 # tq-v0.33/0004-0007: uq_cudagraph.py's real full-graph capture and replay on
 # tq33-base and tq33-patched, and the UltraQuant tests on tq33-patched),
-# decode (issue 28: tq_decode_bench.py with its sweep on tq33-held, then
+# decode (issue 28: tq_decode_bench.py with its sweep on tq33-patched, then
 # the grouped decode's tests there), noflash (issue 27: the continuation
 # bench without flash-attn on tq33-base and tq33-patched, and the TurboQuant
 # tests on tq33-patched); default the first three. DEADLINE_S (default
@@ -172,10 +172,12 @@ fi
 
 if has decode; then
   # v0.33.0's TurboQuant decode kernel, the grouped one and bf16 FA2 side by
-  # side (tables and JSON in $OUT/decode), then the grouped decode's tests.
-  run decode_bench 330 $PY ci/gpu/tq_decode_bench.py --tree $T/tq33-held \
+  # side (tables and JSON in $OUT/decode), then the grouped decode's tests
+  # and the TurboQuant tests whose decode rows take it.
+  run decode_bench 330 $PY ci/gpu/tq_decode_bench.py --tree $T/tq33-patched \
     --out "$OUT/decode" --sweep --deadline 280
-  BASE_TREE= pt tq33_decode tq33-held tests/patches/test_tq_grouped_decode.py
+  BASE_TREE= pt tq33_decode tq33-patched tests/patches/test_tq_grouped_decode.py \
+    tests/patches/test_tq_batches.py tests/patches/test_tq_host_metadata.py
   cat "$OUT/decode/tq_decode_table.md" 2>/dev/null
 fi
 

@@ -63,9 +63,12 @@ LENS = (4096, 32768, 131072)
 REPS = 25
 CHECK_CACHED = [4095, 1000, 37, 2500]
 SWEEP_CELLS = ((1, 131072), (8, 32768), (32, 32768), (32, 131072))
-# (BLOCK_KV, num_warps): at most 256 elements of the [G, BLOCK_KV, D] tile
-# per thread; then programs per SM, a host choice.
-SWEEP_KERNELS = ((8, 1), (8, 2), (8, 4), (16, 2), (16, 4), (16, 8), (32, 4), (32, 8))
+# (BLOCK_KV, num_warps, num_stages): tl.dot tiles of at least 16 tokens;
+# then programs per SM, a host choice.
+SWEEP_KERNELS = (
+    (16, 4, 1), (32, 4, 1), (32, 4, 2), (64, 4, 1),
+    (64, 4, 2), (32, 8, 2), (64, 8, 2), (16, 2, 2),
+)  # fmt: skip
 SWEEP_PPSM = (2, 4, 8)
 FLUSH_BYTES = 256 << 20  # > H100's 50 MB L2
 
@@ -123,14 +126,17 @@ def graph_time(fn, flush: torch.Tensor, reps: int) -> dict:
 
 
 @contextlib.contextmanager
-def kernel_config(gd, block_kv: int, warps: int, ppsm: int):
+def kernel_config(gd, block_kv: int, warps: int, stages: int, ppsm: int):
     """The grouped launcher's module constants, for a sweep point."""
-    old = gd._BLOCK_KV, gd._NUM_WARPS, gd._PROGRAMS_PER_SM
-    gd._BLOCK_KV, gd._NUM_WARPS, gd._PROGRAMS_PER_SM = block_kv, warps, ppsm
+    names = ("_BLOCK_KV", "_NUM_WARPS", "_NUM_STAGES", "_PROGRAMS_PER_SM")
+    old = [getattr(gd, n) for n in names]
+    for n, v in zip(names, (block_kv, warps, stages, ppsm)):
+        setattr(gd, n, v)
     try:
         yield
     finally:
-        gd._BLOCK_KV, gd._NUM_WARPS, gd._PROGRAMS_PER_SM = old
+        for n, v in zip(names, old):
+            setattr(gd, n, v)
 
 
 # --------------------------------------------------------------------------
@@ -426,21 +432,23 @@ def sweep(env, p: Preset, flush, deadline: float) -> dict:
     fit): every point's times, and the best by their geometric mean."""
     cells = [c for c in SWEEP_CELLS if c[0] * c[1] < p.num_blocks * BLOCK]
     points = []
-    for (bkv, warps), ppsm in itertools.product(SWEEP_KERNELS, SWEEP_PPSM):
+    for (bkv, warps, stages), ppsm in itertools.product(SWEEP_KERNELS, SWEEP_PPSM):
         if time.time() > deadline or not cells:
             break
         times = []
         try:
-            with kernel_config(env.gd, bkv, warps, ppsm):
+            with kernel_config(env.gd, bkv, warps, stages, ppsm):
                 for b, n in cells:
                     new = launchers(env, p, p.metadata(b, n), b)["new"]
                     times.append(graph_time(new, flush, REPS)["median_ms"])
         except Exception as e:  # a configuration that does not compile
-            points.append({"config": [bkv, warps, ppsm], "error": str(e)[:200]})
+            point = [bkv, warps, stages, ppsm]
+            points.append({"config": point, "error": str(e)[:200]})
             continue
         geo = math.exp(statistics.fmean(math.log(t) for t in times))
-        points.append({"config": [bkv, warps, ppsm], "ms": times, "geomean": geo})
-        print(f"  sweep {p.preset} {bkv, warps, ppsm}: {geo:.3f}", flush=True)
+        point = [bkv, warps, stages, ppsm]
+        points.append({"config": point, "ms": times, "geomean": geo})
+        print(f"  sweep {p.preset} {point}: {geo:.3f}", flush=True)
     ok = [x for x in points if "geomean" in x]
     best = min(ok, key=lambda x: x["geomean"])["config"] if ok else None
     return {"cells": cells, "points": points, "best": best}
@@ -515,7 +523,7 @@ def table(res: dict) -> str:
             + " |"
         )
     for preset, s in res["sweeps"].items():
-        lines.append(f"\nsweep {preset}: best (BLOCK_KV, warps, programs/SM) "
+        lines.append(f"\nsweep {preset}: best (BLOCK_KV, warps, stages, programs/SM) "
                      f"{s['best']} of {len(s['points'])}")  # fmt: skip
     for preset, c in res["checks"].items():
         lines.append(f"check {preset}: {json.dumps(c)}")
@@ -537,7 +545,7 @@ def main() -> int:
         "ceilings": env.ceil,
         "tree": str(env.tree),
         "shape": {"Hq": HQ, "Hk": HK, "D": D, "block": BLOCK, "reps": REPS},
-        "defaults": [gd._BLOCK_KV, gd._NUM_WARPS, gd._PROGRAMS_PER_SM],
+        "defaults": [gd._MSE_CONFIG, gd._FP8_CONFIG, gd._PROGRAMS_PER_SM],
         "checks": {},
         "sweeps": {},
         "rows": [],

@@ -33,9 +33,13 @@ import tqbatches as tb
 import tqharness as h
 
 Req = tb.Req
+# The presets the grouped decode serves (4-bit values, FP8 or 4-bit keys),
+# and those that keep v0.33.0's kernel.
 PRESETS = {
     "4bit_nc": "turboquant_4bit_nc",
     "k8v4": "turboquant_k8v4",
+}
+OTHER_PRESETS = {
     "3bit_nc": "turboquant_3bit_nc",
     "k3v4_nc": "turboquant_k3v4_nc",
 }
@@ -315,3 +319,25 @@ def test_num_splits_from_host_sizes() -> None:
     assert counts == [
         gd.grouped_decode_num_splits(b, 4, 1024, dev) for b in (1, 8, 32, 128)
     ]
+
+
+@pytest.mark.parametrize("preset", list(OTHER_PRESETS))
+def test_other_presets_keep_v0_33_kernel(
+    preset: str, vllm_tree: Path, tmp_path: Path
+) -> None:
+    """3-bit keys or values: a decode step through ``forward`` gives the bits
+    of v0.33.0's kernel (its 32 splits), not the grouped decode's."""
+    shape = tb.Shape(hq=4, hk=1, head=64, preset=OTHER_PRESETS[preset])
+    with pytest.MonkeyPatch.context() as mp:
+        env = tb.open_backend(vllm_tree, tmp_path, shape, mp.setattr)
+        try:
+            impl, layer, batch = tb.decode_batch(env, [40, 3], seed=5)
+            meta = env.builder().build(0, batch.cam)
+            out = tb.forward(impl, layer, batch, meta)
+            splits = impl.max_num_kv_splits
+            old = tb.decode_kernels(
+                impl, layer, batch, 1, old_splits=splits, grouped=False
+            )[0]
+        finally:
+            tb.close_backend()
+    assert torch.equal(out.view_as(old), old), "not v0.33.0's decode kernel"

@@ -689,15 +689,14 @@ def decode_kernels(
     splits: int,
     pad: int = 0,
     old_splits: int = 32,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    grouped: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """v0.33.0's TurboQuant decode kernel (``old_splits``: its default) and
-    the grouped one (``splits``) on a decode batch's cache, with ``pad`` rows
-    of no tokens appended (CUDA-graph padding): their (B + pad, Hq, D)."""
+    the grouped one (``splits``; None when not ``grouped``) on a decode
+    batch's cache, with ``pad`` rows of no tokens appended (CUDA-graph
+    padding): their (B + pad, Hq, D)."""
     from vllm.v1.attention.ops.triton_turboquant_decode import (
         triton_turboquant_decode_attention,
-    )
-    from vllm.v1.attention.ops.triton_turboquant_grouped_decode import (
-        triton_turboquant_grouped_decode_attention,
     )
 
     cfg, cam = impl.tq_config, batch.cam
@@ -721,6 +720,12 @@ def decode_kernels(
     old = triton_turboquant_decode_attention(
         Pi=layer._tq_Pi, max_num_kv_splits=old_splits, **args
     )
+    if not grouped:
+        return old, None
+    from vllm.v1.attention.ops.triton_turboquant_grouped_decode import (
+        triton_turboquant_grouped_decode_attention,
+    )
+
     new = triton_turboquant_grouped_decode_attention(num_kv_splits=splits, **args)
     return old, new
 
