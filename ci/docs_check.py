@@ -1,4 +1,4 @@
-"""The docs check: what README.md and docs/*.md show stays true.
+"""The docs check: what README.md, CHANGELOG.md and docs/*.md show stays true.
 
 Fast and offline (no vLLM, no network, no base):
 
@@ -49,7 +49,7 @@ REDIRECT = re.compile(r"^\d*[<>]")
 # only what a person puts there (pack.sh reads it; nothing is kept in git).
 NOT_OURS = tuple(f"{d}/" for d in sorted(set(COMPONENT_TESTS.values())))
 MADE_BY_HAND = ("ci/gpu/proposed/",)
-PATH_TOKEN = re.compile(r"[\w.~*?<>{}…/+-]+(?:\[[\w*-]*\])?[\w.~*?<>{}…/+-]*")
+PATH_TOKEN = re.compile(r"[\w.~*?<>{}…/+$-]+(?:\[[\w*-]*\])?[\w.~*?<>{}…/+$-]*")
 
 
 def blank(m: re.Match) -> str:
@@ -228,9 +228,10 @@ def top_level(root: Path) -> set[str]:
 
 
 def placeholder(part: str) -> bool:
-    """A path component that stands for a name: <name>, NAME, 000N-..., X.Y."""
+    """A path component that stands for a name: <name>, NAME, $name, ...,
+    vX.Y."""
     return bool(
-        re.search(r"[<>{}…]|\.\.\.|X\.Y", part)
+        re.search(r"[<>{}…$]|\.\.\.|X\.Y", part)
         or (re.search(r"[A-Z]", part) and not re.search(r"[a-z]", part))
     )
 
@@ -446,7 +447,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--root", type=Path, default=PROJECT, help="project root")
     root = ap.parse_args(argv).root.resolve()
-    docs = [Doc.read(root / "README.md", root)] + [
+    top = [root / "README.md", root / "CHANGELOG.md"]
+    docs = [Doc.read(p, root) for p in top if p.is_file()] + [
         Doc.read(p, root) for p in sorted((root / "docs").glob("*.md"))
     ]
     probs = Problems()
