@@ -82,7 +82,7 @@ class Doc:
         """The text outside code blocks (block lines blanked, so offsets
         still give line numbers)."""
         return "\n".join(
-            "" if b else line for line, b in zip(self.lines, self.in_block)
+            "" if b else line for line, b in zip(self.lines, self.in_block, strict=True)
         )
 
     def inline_code(self) -> list[tuple[int, str]]:
@@ -102,7 +102,7 @@ class Doc:
         """Code-block lines, backslash continuations joined."""
         out: list[tuple[int, str]] = []
         joined, start = "", 0
-        for n, (line, b) in enumerate(zip(self.lines, self.in_block), 1):
+        for n, (line, b) in enumerate(zip(self.lines, self.in_block, strict=True), 1):
             if not b or FENCE.match(line):
                 continue
             if not joined:
@@ -118,7 +118,9 @@ class Doc:
     def headings(self) -> list[tuple[int, str]]:
         return [
             (n, m.group(2))
-            for n, (line, b) in enumerate(zip(self.lines, self.in_block), 1)
+            for n, (line, b) in enumerate(
+                zip(self.lines, self.in_block, strict=True), 1
+            )
             if not b and (m := HEADING.match(line))
         ]
 
@@ -306,7 +308,9 @@ def tables(doc: Doc) -> list[tuple[int, str, list[tuple[int, list[str]]]]]:
     """Each table: the heading above it, its first line, its body rows."""
     out: list[tuple[int, str, list[tuple[int, list[str]]]]] = []
     heading, rows, start = "", [], 0
-    for n, (line, b) in enumerate(zip(doc.lines + [""], doc.in_block + [False]), 1):
+    for n, (line, b) in enumerate(
+        zip(doc.lines + [""], doc.in_block + [False], strict=True), 1
+    ):
         m = HEADING.match(line) if not b else None
         if m:
             heading = m.group(2).strip()
@@ -431,9 +435,7 @@ def check_readme(root: Path, probs: Problems) -> int:
             )
         for ref in status_refs(status):
             if ref not in cell:
-                probs.add(
-                    doc, n, f"patch table: {stack}/{number} does not name {ref}"
-                )
+                probs.add(doc, n, f"patch table: {stack}/{number} does not name {ref}")
     for s in series.stacks:
         for p in s.patches:
             if p not in seen:
