@@ -45,19 +45,35 @@ SPDX = (
 ZERO_FROM = b"From 0000000000000000000000000000000000000000 Mon Sep 17 00:00:00 2001\n"
 
 
+# What the series accepts: the '#@' directives and the keys of each. The
+# spec, docs/series-format.md, lists the same (ci/docs_check.py compares).
 STACK_KEYS = {
     "repo",
     "tag",
     "branch",
     "commit",
     "upstream",
-    "pypi",
     "fetch",
     "assemble",
 }
 
 
+PIN_KEYS = {"repo", "branch", "commit", "fetch"}  # '#@ pin PATCH key=value ...'
+
+
 RECORDS = ("not-needed", "dropped")  # patch records kept in series for history
+
+
+RECORD_KEYS = {"base", "reason"}  # '#@ not-needed PATCH base=REV reason=...'
+
+
+DIRECTIVES = ("stack", "pin", *RECORDS)
+
+
+# The trailers 'apply.py check' reads in a patch's message: the required ones
+# (each at least once) and those checked when present. Others are allowed.
+REQUIRED_TRAILERS = ("Bug", "Upstream-Status", "Tests", "Signed-off-by")
+URL_TRAILERS = ("Related", "Upstream-Target")  # each starts with a URL
 
 
 # Deterministic export: every flag and config value that shapes format-patch

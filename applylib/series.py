@@ -10,11 +10,16 @@ import shlex
 from pathlib import Path, PurePosixPath
 
 from .core import (
+    DIRECTIVES,
+    PIN_KEYS,
+    RECORD_KEYS,
     RECORDS,
+    REQUIRED_TRAILERS,
     SPDX,
     STACK_KEYS,
     UPSTREAM_STATUS,
     UPSTREAM_URL,
+    URL_TRAILERS,
     ZERO_FROM,
     UserError,
     git,
@@ -150,15 +155,12 @@ def parse_directive(
 ) -> None:
     """One '#@' line: a new stack, a patch's own pin, or a patch record."""
     kind, rest, kv = directive_words(where, line)
+    if kind not in DIRECTIVES:
+        raise UserError(f"{where}: unknown directive '#@ {kind}'")
     if kind == "stack":
         stacks.append(parse_stack(where, rest, kv, stacks, path, n))
     elif kind == "pin":
-        if (
-            not stacks
-            or not rest
-            or "=" in rest[0]
-            or set(kv) - {"repo", "branch", "commit", "fetch"}
-        ):
+        if not stacks or not rest or "=" in rest[0] or set(kv) - PIN_KEYS:
             raise UserError(
                 f"{where}: malformed directive: '#@ pin "
                 "PATCH repo=URL commit=<40 hex> [branch=]'"
@@ -167,14 +169,14 @@ def parse_directive(
             raise UserError(f"{where}: commit= must be 40 hex digits")
         stacks[-1].file_pins[rest[0]] = kv
     elif kind in RECORDS:
-        if not stacks or not rest or "=" in rest[0]:
+        if not stacks or not rest or "=" in rest[0] or set(kv) - RECORD_KEYS:
             raise UserError(
                 f"{where}: malformed directive: '#@ {kind} PATCH base=REV reason=...'"
             )
+        if not kv.get("base"):
+            raise UserError(f"{where}: '#@ {kind}' needs base= (where it was decided)")
         rec = {"file": rest[0], "kind": kind, **kv, "_line": str(n)}
         stacks[-1].not_needed.append(rec)
-    else:
-        raise UserError(f"{where}: unknown directive '#@ {kind}'")
 
 
 def add_series_entry(
@@ -363,8 +365,9 @@ def lint_patch(series: Series, p: Patch) -> list[str]:
             f"{where}: subject needs a component prefix like "
             "'[Attention][TurboQuant] ...'"
         )
-    if not p.values("Bug"):
-        probs.append(f"{where}: no 'Bug:' trailer")
+    for key in REQUIRED_TRAILERS:
+        if key != "Upstream-Status" and not p.values(key):
+            probs.append(f"{where}: no '{key}:' trailer")
     for b in p.values("Bug"):
         if not re.match(r"^https?://\S+$", b):
             probs.append(f"{where}: 'Bug: {b}' is not a URL")
@@ -376,12 +379,10 @@ def lint_patch(series: Series, p: Patch) -> list[str]:
             f"{where}: invalid 'Upstream-Status: {st[0]}' (Pending | "
             "Submitted [URL] | Backport [ref] | Inappropriate [reason])"
         )
-    for key in ("Related", "Upstream-Target"):
+    for key in URL_TRAILERS:
         for v in p.values(key):
             if not re.match(r"^https?://\S+", v):
                 probs.append(f"{where}: '{key}: {v}' does not start with a URL")
-    if not p.values("Tests"):
-        probs.append(f"{where}: no 'Tests:' trailer")
     for t in p.tests:
         f = t.split("::", 1)[0]
         try:
@@ -391,8 +392,6 @@ def lint_patch(series: Series, p: Patch) -> list[str]:
             continue
         if not (series.root / f).is_file():
             probs.append(f"{where}: test file '{f}' does not exist")
-    if not p.values("Signed-off-by"):
-        probs.append(f"{where}: no 'Signed-off-by:' trailer")
     probs += lint_new_python_files(p)
     probs += lint_signatures(series, p)
     return probs

@@ -1,7 +1,8 @@
 """CI's last lines: what ran where. The patch tests (tests/patches/) need a
 vLLM tree, so the main job runs them on each stack's base and patched tree
 (build/report.json) and the mutants run re-runs them on each wrong fix
-(build/mutants.json); the final pytest run holds the tool's own tests."""
+(build/mutants.json); ci/docs_check.py checks the docs (build/docs_check.txt);
+the final pytest run holds the tool's own tests."""
 
 from __future__ import annotations
 
@@ -46,6 +47,14 @@ def main(build: Path) -> int:
     else:
         outcomes = Counter(m.get("outcome") for m in mutants)
         print(f"ci: mutants: {len(mutants)} wrong fixes: {counts(outcomes)}")
+    docs = build / "docs_check.txt"
+    lines = docs.read_text().splitlines() if docs.is_file() else []
+    if not lines:
+        print("ci: docs check: no build/docs_check.txt (it did not run)")
+    elif lines[-1].startswith("docs check: "):
+        print(f"ci: {lines[-1]}")
+    else:
+        print(f"ci: docs check: {len(lines)} problem(s) (build/docs_check.txt)")
     print("ci: the pytest run above: the tool's own tests (tests/tool)")
     return 0
 

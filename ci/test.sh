@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # All tests: sets up .venv if needed, lints the series, runs the main job on
 # the real series (every patch's regression test on the tree before it and
-# with it; the table is printed, the report kept in build/), then the tool's
-# tests and the checks of that report.
+# with it; the table is printed, the report kept in build/), checks the docs
+# against the code (ci/docs_check.py), then the tool's tests and the checks of
+# that report.
 #
 # Hermetic: the tool's cache (bases, worktrees, release wheels) and vLLM's,
 # Triton's and torch.compile's caches start empty under build/ci/ on every
@@ -29,6 +30,9 @@ main=${PIPESTATUS[0]}
 # after the main job, so the bases are at hand for the export round-trip
 .venv/bin/python apply.py check
 check=$?
+# the docs: commands parse, paths and links exist, the spec is the parser's
+.venv/bin/python ci/docs_check.py 2>&1 | tee build/docs_check.txt
+docs=${PIPESTATUS[0]}
 # every mutant of every patch must be killed by the patch's own tests
 .venv/bin/python apply.py mutants --json build/mutants.json 2>&1 | tee build/mutants.txt
 mutants=${PIPESTATUS[0]}
@@ -40,6 +44,8 @@ tests=$?
 .venv/bin/python ci/summary.py build
 [ "$main" -eq 0 ] || echo "ci/test.sh: the main job failed (exit $main)"
 [ "$check" -eq 0 ] || echo "ci/test.sh: apply.py check failed (exit $check)"
+[ "$docs" -eq 0 ] || echo "ci/test.sh: the docs check failed (exit $docs)"
 [ "$mutants" -eq 0 ] || echo "ci/test.sh: a mutant survived (exit $mutants)"
-[ "$main" -eq 0 ] && [ "$check" -eq 0 ] && [ "$mutants" -eq 0 ] && exit $tests
+[ "$main" -eq 0 ] && [ "$check" -eq 0 ] && [ "$docs" -eq 0 ] &&
+  [ "$mutants" -eq 0 ] && exit $tests
 exit 1

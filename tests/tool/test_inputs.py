@@ -61,6 +61,12 @@ def test_patch_file_not_in_series(fx: Fixture) -> None:
     ("#@ stack fx7 commit=" + "ab" * 20 + " assemble=main\n",
      ["assemble= must name a release", "main"]),
     ("#@ stack fx8 tag=v1 assemble=v1.0.0\n", ["assemble= needs", "commit="]),
+    ("#@ stack fx9 tag=v1 pypi=vllm\n", ["unknown key", "pypi"]),
+    ("#@ not-needed fx/0001-fix-add.patch reason=x\n", ["needs base="]),
+    ("#@ dropped fx/0001-fix-add.patch base=v1 colour=blue\n",
+     ["malformed directive"]),
+    ("#@ pin fx/0001-fix-add.patch tag=v1 commit=" + "ab" * 20 + "\n",
+     ["malformed directive"]),
 ])
 def test_malformed_directive(fx: Fixture, line: str, words: list[str]) -> None:
     standard_stack(fx)

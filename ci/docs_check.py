@@ -1,0 +1,480 @@
+"""The docs check: what README.md, CHANGELOG.md and docs/*.md show stays true.
+
+Fast and offline (no vLLM, no network, no base):
+
+- every `python apply.py ...` command they show (in a code block or inline
+  code) parses with apply.py's own argument parser;
+- every repository path they name (`ci/gpu/run.sh`, `tests/patches/x.py`)
+  and every relative link exists, and a link's `#anchor` is a heading there;
+- docs/series-format.md's tables of directives, keys and trailers list
+  exactly what applylib's parser accepts (applylib/core.py's constants);
+- README.md's patch table agrees with each patch header's Upstream-Status.
+
+    python ci/docs_check.py [--root DIR]
+
+Prints one line per problem and exits 1, or one summary line and exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import functools
+import io
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+PROJECT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(PROJECT))
+
+from applylib import core  # noqa: E402
+from applylib.cli import parser as apply_parser  # noqa: E402
+from applylib.core import UserError  # noqa: E402
+from applylib.export import COMPONENT_TESTS  # noqa: E402
+from applylib.series import load_patch, parse_series  # noqa: E402
+
+FENCE = re.compile(r"^\s*(```|~~~)")
+INLINE = re.compile(r"(?<!`)(`+)(?!`)((?:(?!\n\s*\n).)+?)(?<!`)\1(?!`)", re.DOTALL)
+LINK = re.compile(r"!?\[[^\]\n]*\]\(([^)\s]+)(?:\s+\"[^\"]*\")?\)")
+HEADING = re.compile(r"^(#{1,6})\s+(.*?)\s*#*\s*$")
+COMMAND = re.compile(r"(?:\S*/)?python(?:3(?:\.\d+)?)?\s+apply\.py(?=\s|$)")
+SHELL_SPLIT = re.compile(r"\s(?:&&|\|\||\||;)\s|;$")
+REDIRECT = re.compile(r"^\d*[<>]")
+# Paths the docs name that are not this repository's files: vLLM's test
+# folders, where `apply.py export` puts a patch's test; a folder that holds
+# only what a person puts there (pack.sh reads it; nothing is kept in git).
+NOT_OURS = tuple(f"{d}/" for d in sorted(set(COMPONENT_TESTS.values())))
+MADE_BY_HAND = ("ci/gpu/proposed/",)
+PATH_TOKEN = re.compile(r"[\w.~*?<>{}…/+$-]+(?:\[[\w*-]*\])?[\w.~*?<>{}…/+$-]*")
+
+
+def blank(m: re.Match) -> str:
+    """A match's text as spaces, its line breaks kept."""
+    return re.sub(r"[^\n]", " ", m.group(0))
+
+
+@dataclasses.dataclass
+class Doc:
+    """One Markdown file: its lines, and which of them are in code blocks."""
+
+    path: Path
+    rel: str
+    lines: list[str]
+    in_block: list[bool]
+
+    @classmethod
+    def read(cls, path: Path, root: Path) -> Doc:
+        lines = path.read_text().splitlines()
+        in_block, fenced = [], False
+        for line in lines:
+            if FENCE.match(line):
+                fenced = not fenced
+                in_block.append(True)
+            else:
+                in_block.append(fenced)
+        return cls(path, path.relative_to(root).as_posix(), lines, in_block)
+
+    def prose(self) -> str:
+        """The text outside code blocks (block lines blanked, so offsets
+        still give line numbers)."""
+        return "\n".join(
+            "" if b else line for line, b in zip(self.lines, self.in_block, strict=True)
+        )
+
+    def inline_code(self) -> list[tuple[int, str]]:
+        text = self.prose()
+        return [
+            (text.count("\n", 0, m.start()) + 1, m.group(2).strip())
+            for m in INLINE.finditer(text)
+        ]
+
+    def plain_text(self) -> list[tuple[int, str]]:
+        """The prose lines without inline code and link targets."""
+        text = INLINE.sub(blank, self.prose())
+        text = LINK.sub(blank, text)
+        return [(n, line) for n, line in enumerate(text.split("\n"), 1) if line]
+
+    def block_lines(self) -> list[tuple[int, str]]:
+        """Code-block lines, backslash continuations joined."""
+        out: list[tuple[int, str]] = []
+        joined, start = "", 0
+        for n, (line, b) in enumerate(zip(self.lines, self.in_block, strict=True), 1):
+            if not b or FENCE.match(line):
+                continue
+            if not joined:
+                start = n
+            joined += line
+            if line.endswith("\\"):
+                joined = joined[:-1] + " "
+                continue
+            out.append((start, joined))
+            joined = ""
+        return out
+
+    def headings(self) -> list[tuple[int, str]]:
+        return [
+            (n, m.group(2))
+            for n, (line, b) in enumerate(
+                zip(self.lines, self.in_block, strict=True), 1
+            )
+            if not b and (m := HEADING.match(line))
+        ]
+
+    def anchors(self) -> set[str]:
+        """GitHub's heading ids: lower case, punctuation dropped, spaces to
+        hyphens, repeats numbered."""
+        seen: dict[str, int] = {}
+        out = set()
+        for _, text in self.headings():
+            text = re.sub(r"\[([^\]]*)\]\([^)]*\)", r"\1", text)
+            slug = re.sub(r"[^\w\- ]", "", text.replace("`", "").lower())
+            slug = slug.replace(" ", "-")
+            k = seen.get(slug, 0)
+            seen[slug] = k + 1
+            out.add(slug if k == 0 else f"{slug}-{k}")
+        return out
+
+
+class Problems(list):
+    def add(self, doc: Doc | str, line: int | None, msg: str) -> None:
+        where = doc.rel if isinstance(doc, Doc) else doc
+        self.append(f"{where}:{line}: {msg}" if line else f"{where}: {msg}")
+
+
+# --- commands ------------------------------------------------------------
+
+
+def commands(text: str) -> list[str]:
+    """The `python apply.py ...` commands of a shell line, as shown."""
+    out = []
+    for part in SHELL_SPLIT.split(text):
+        m = COMMAND.search(part)
+        if m:
+            out.append(part[m.start() :].strip())
+    return out
+
+
+def command_args(cmd: str) -> list[str]:
+    """The arguments after apply.py, up to a redirection; a bare '...' (more
+    arguments) is left out. Placeholders (<tree>, vX.Y.Z) are values."""
+    try:
+        words = shlex.split(cmd, comments=True)
+    except ValueError:
+        words = cmd.split("#", 1)[0].split()
+    args = []
+    for w in words[1 + words.index("apply.py") :]:
+        if REDIRECT.match(w) and not re.fullmatch(r"<[^<>]+>\S*", w):
+            break
+        if w not in ("...", "…"):
+            args.append(w)
+    return args
+
+
+@functools.cache
+def the_parser() -> argparse.ArgumentParser:
+    return apply_parser()
+
+
+def parse_error(args: list[str]) -> str | None:
+    """argparse's complaint about the arguments, or None if they parse."""
+    err = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+            the_parser().parse_args(args)
+    except SystemExit as e:
+        if e.code not in (0, None):
+            lines = err.getvalue().strip().splitlines()
+            return lines[-1] if lines else f"exit {e.code}"
+    return None
+
+
+def check_commands(docs: list[Doc], probs: Problems) -> int:
+    n = 0
+    for doc in docs:
+        for line, text in doc.block_lines() + doc.inline_code():
+            for cmd in commands(text):
+                n += 1
+                err = parse_error(command_args(cmd))
+                if err:
+                    probs.add(doc, line, f"'{cmd}' does not parse: {err}")
+    return n
+
+
+# --- paths and links -----------------------------------------------------
+
+
+def top_level(root: Path) -> set[str]:
+    """The project's top-level names: what git tracks, else what is there
+    and not ignored (so build/ and .venv/ outputs are not paths to check)."""
+    try:
+        out = subprocess.run(
+            ["git", "-C", str(root), "ls-files", "-z"],
+            capture_output=True,
+            check=True,
+        ).stdout.decode()
+        names = {f.split("/", 1)[0] for f in out.split("\0") if f}
+        if names:
+            return names
+    except (OSError, subprocess.CalledProcessError):
+        pass
+    ignore = root / ".gitignore"
+    ignored = {
+        ln.strip().strip("/")
+        for ln in (ignore.read_text().splitlines() if ignore.is_file() else [])
+    }
+    return {p.name for p in root.iterdir()} - ignored - {".git"}
+
+
+def placeholder(part: str) -> bool:
+    """A path component that stands for a name: <name>, NAME, $name, ...,
+    vX.Y."""
+    return bool(
+        re.search(r"[<>{}…$]|\.\.\.|X\.Y", part)
+        or (re.search(r"[A-Z]", part) and not re.search(r"[a-z]", part))
+    )
+
+
+def path_missing(root: Path, path: str) -> bool:
+    """Whether a repository path named in the docs is absent. A glob must
+    match something; a path with placeholders is checked up to them."""
+    parts = path.rstrip("/").split("/")
+    if (root / path).exists():
+        return False
+    if any(placeholder(p) for p in parts):
+        concrete = []
+        for p in parts:
+            if placeholder(p):
+                break
+            concrete.append(p)
+        return not (root.joinpath(*concrete)).is_dir()
+    if re.search(r"[*?\[]", path):
+        return not any(root.glob(path))
+    return True
+
+
+def path_tokens(text: str, top: set[str]) -> list[str]:
+    out = []
+    for tok in PATH_TOKEN.findall(text):
+        tok = tok.split("::", 1)[0].removeprefix("./").rstrip(".,:;")
+        if "/" in tok and tok.split("/", 1)[0] in top and "//" not in tok:
+            if not (tok + "/").startswith(NOT_OURS + MADE_BY_HAND):
+                out.append(tok)
+    return out
+
+
+def check_paths(docs: list[Doc], root: Path, probs: Problems) -> int:
+    top = top_level(root)
+    n = 0
+    for doc in docs:
+        for line, text in doc.block_lines() + doc.inline_code() + doc.plain_text():
+            for tok in path_tokens(text, top):
+                n += 1
+                if path_missing(root, tok):
+                    probs.add(doc, line, f"no such path in the repository: {tok}")
+    return n
+
+
+def check_links(docs: list[Doc], root: Path, probs: Problems) -> int:
+    n = 0
+    text_of = {d.path: d for d in docs}
+    for doc in docs:
+        prose = INLINE.sub(blank, doc.prose())
+        for m in LINK.finditer(prose):
+            target = m.group(1)
+            if re.match(r"[a-zA-Z][\w+.-]*:", target):
+                continue  # https:, mailto:
+            n += 1
+            line = prose.count("\n", 0, m.start()) + 1
+            file, _, anchor = target.partition("#")
+            path = (doc.path.parent / file).resolve() if file else doc.path
+            if not path.exists():
+                probs.add(doc, line, f"broken link: {target} (no {file})")
+                continue
+            if anchor and path.suffix == ".md":
+                other = text_of.get(path) or Doc.read(path, path.parent)
+                if anchor not in other.anchors():
+                    probs.add(doc, line, f"broken link: {target} (no such heading)")
+    return n
+
+
+# --- the spec against the parser ----------------------------------------
+
+
+def tables(doc: Doc) -> list[tuple[int, str, list[tuple[int, list[str]]]]]:
+    """Each table: the heading above it, its first line, its body rows."""
+    out: list[tuple[int, str, list[tuple[int, list[str]]]]] = []
+    heading, rows, start = "", [], 0
+    for n, (line, b) in enumerate(
+        zip(doc.lines + [""], doc.in_block + [False], strict=True), 1
+    ):
+        m = HEADING.match(line) if not b else None
+        if m:
+            heading = m.group(2).strip()
+        if not b and line.lstrip().startswith("|"):
+            if not rows:
+                start = n
+            rows.append((n, re.split(r"(?<!\\)\|", line.strip().strip("|"))))
+        elif rows:
+            body = [(k, [c.strip() for c in r]) for k, r in rows[2:]]
+            out.append((start, heading, body))
+            rows = []
+    return out
+
+
+def status_kinds() -> set[str]:
+    """The Upstream-Status kinds the lint's pattern accepts."""
+    return set(re.findall(r"[(|]([A-Z][a-z]+)", core.UPSTREAM_STATUS.pattern))
+
+
+# heading of a table in docs/series-format.md -> how its first column names an
+# entry, and the entries applylib accepts
+SPEC_TABLES = {
+    "Directives": (r"`#@ ([\w-]+)", set(core.DIRECTIVES)),
+    "Stack keys": (r"`([\w-]+)=", core.STACK_KEYS),
+    "Pin keys": (r"`([\w-]+)=", core.PIN_KEYS),
+    "Record keys": (r"`([\w-]+)=", core.RECORD_KEYS),
+    "Trailers": (
+        r"`([\w-]+):",
+        set(core.REQUIRED_TRAILERS) | set(core.URL_TRAILERS),
+    ),
+    "Upstream-Status values": (r"`([A-Z][a-z]+)", status_kinds()),
+}
+
+
+def check_spec(root: Path, probs: Problems) -> int:
+    doc = Doc.read(root / "docs" / "series-format.md", root)
+    found = {h: (n, rows) for n, h, rows in tables(doc)}
+    n = 0
+    for heading, (pattern, accepted) in SPEC_TABLES.items():
+        if heading not in found:
+            probs.add(doc, None, f"no table under the heading '{heading}'")
+            continue
+        line, rows = found[heading]
+        listed = {m.group(1) for _, r in rows if (m := re.match(pattern, r[0]))}
+        n += len(listed)
+        for extra in sorted(listed - accepted):
+            probs.add(doc, line, f"'{heading}' lists {extra}, which applylib rejects")
+        for gone in sorted(accepted - listed):
+            probs.add(doc, line, f"'{heading}' lacks {gone}, which applylib accepts")
+        if heading == "Trailers":
+            required = {
+                m.group(1)
+                for _, r in rows
+                if (m := re.match(pattern, r[0])) and r[1].lower().startswith("yes")
+            }
+            if required != set(core.REQUIRED_TRAILERS):
+                probs.add(
+                    doc,
+                    line,
+                    f"'{heading}' marks {sorted(required)} required; apply.py "
+                    f"check requires {list(core.REQUIRED_TRAILERS)}",
+                )
+    return n
+
+
+# --- README's patch table against the patch headers ---------------------
+
+
+def row_patches(cell: str) -> list[str]:
+    """The patch numbers a row names: `0001`, or a range `0004`-`0007`."""
+    m = re.search(r"`(\d{4})`\s*[-–]\s*`(\d{4})`", cell)
+    if m:
+        return [f"{i:04d}" for i in range(int(m.group(1)), int(m.group(2)) + 1)]
+    return re.findall(r"`(\d{4})`", cell)
+
+
+def status_refs(status: str) -> list[str]:
+    """What a README row should name of an Upstream-Status: its PR numbers
+    (#N) and commits (first 8 hex digits)."""
+    refs = [f"#{n}" for n in re.findall(r"/pull/(\d+)", status)]
+    return refs + re.findall(r"/commit/([0-9a-f]{8})", status)
+
+
+def readme_rows(doc: Doc) -> list[tuple[int, str, str, str]]:
+    """(line, stack, patch number, upstream cell) for each patch of the table
+    whose first column is the stack."""
+    out = []
+    for _, _, rows in tables(doc)[:1]:
+        stack = ""
+        for n, cells in rows:
+            m = re.search(r"`([\w.-]+)`", cells[0])
+            stack = m.group(1) if m else stack
+            out += [(n, stack, p, cells[-1]) for p in row_patches(cells[1])]
+    return out
+
+
+def check_readme(root: Path, probs: Problems) -> int:
+    doc = Doc.read(root / "README.md", root)
+    series = parse_series(root / "series")
+    by_number = {
+        (s.name, Path(p).name.split("-", 1)[0]): p
+        for s in series.stacks
+        for p in s.patches
+    }
+    seen: set[str] = set()
+    for n, stack, number, cell in readme_rows(doc):
+        entry = by_number.get((stack, number))
+        if entry is None:
+            probs.add(doc, n, f"patch table: {stack}/{number} is not in series")
+            continue
+        seen.add(entry)
+        status = (load_patch(series, entry).values("Upstream-Status") or [""])[0]
+        kind = status.split(" ", 1)[0]
+        said = re.match(r"\W*(\w+)", cell)
+        if not said or said.group(1) != kind:
+            probs.add(
+                doc,
+                n,
+                f"patch table: {stack}/{number} says "
+                f"'{said.group(1) if said else cell}', its header "
+                f"'Upstream-Status: {status}'",
+            )
+        for ref in status_refs(status):
+            if ref not in cell:
+                probs.add(doc, n, f"patch table: {stack}/{number} does not name {ref}")
+    for s in series.stacks:
+        for p in s.patches:
+            if p not in seen:
+                probs.add(doc, None, f"patch table: no row for {p}")
+    return len(seen)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(
+        description="Check that README.md and docs/*.md agree with the code."
+    )
+    ap.add_argument("--root", type=Path, default=PROJECT, help="project root")
+    root = ap.parse_args(argv).root.resolve()
+    top = [root / "README.md", root / "CHANGELOG.md"]
+    docs = [Doc.read(p, root) for p in top if p.is_file()] + [
+        Doc.read(p, root) for p in sorted((root / "docs").glob("*.md"))
+    ]
+    probs = Problems()
+    cmds = check_commands(docs, probs)
+    paths = check_paths(docs, root, probs)
+    links = check_links(docs, root, probs)
+    try:
+        spec = check_spec(root, probs)
+        rows = check_readme(root, probs)
+    except (UserError, OSError) as e:
+        probs.add("series", None, str(e))
+        spec = rows = 0
+    for p in probs:
+        print(p)
+    if probs:
+        return 1
+    print(
+        f"docs check: {len(docs)} files: {cmds} apply.py commands parse, "
+        f"{paths} paths and {links} links exist, the spec's {spec} directives, "
+        f"keys and trailers are the parser's, {rows} patches' README rows "
+        "match their Upstream-Status: ok"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
