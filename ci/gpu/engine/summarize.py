@@ -82,7 +82,9 @@ def cell(r: dict | None) -> str:
 
 def table_outcomes(rows: list[dict]) -> str:
     cols = sorted({(r["release"], r["variant"]) for r in rows if S.SCENARIOS.get(r["scenario"], {}).get("kind") == "engine"},
-                  key=lambda x: (x[0], x[1] != "unpatched"))
+                  # the release, patched, then other variants by name (a set's
+                  # order decided between patched and kvfix before)
+                  key=lambda x: (x[0], x[1] != "unpatched", x[1] != "patched", x[1]))
     scns = [n for n in S.SCENARIOS if S.SCENARIOS[n]["kind"] == "engine"]
     by = {key(r): r for r in rows}
     out = ["| scenario | " + " | ".join(f"{rel} {var}" for rel, var in cols) + " |",
