@@ -211,7 +211,7 @@ def deps_tar(whl_dir: Path, out: Path) -> tuple[Path, list[str]]:
     wheels = sorted(whl_dir.glob("*.whl"))
     if not wheels:
         raise SystemExit(
-            f"build_stage: no dependency wheels in {whl_dir} (see PLAN.md: pip download)"
+            f"build_stage: no dependency wheels in {whl_dir} (see ci/gpu/README.md)"
         )
     key = sha256_bytes(
         "\n".join(f"{w.name}:{w.stat().st_size}" for w in wheels).encode()
@@ -447,7 +447,7 @@ class Stage:
         if not fb:
             raise SystemExit(
                 "build_stage: no zstandard wheel for the decompression fallback "
-                "(see PLAN.md)"
+                "(see ci/gpu/README.md)"
             )
         fbp = Path(fb)
         z = {"z": fbp, "z_bytes": fbp.stat().st_size, "src_bytes": fbp.stat().st_size}
