@@ -9,8 +9,9 @@ from .commands import cmd_base, cmd_check, cmd_format_patch, cmd_test
 from .core import PROJECT, GitError, UserError, command, common, patch_names, say
 from .export import add_deliver_commands
 from .mutants import add_mutants_command
-from .rebase import add_rebase_commands
+from .rebase import add_rebase_command
 from .runner import cmd_apply
+from .status import add_status_command
 
 FMT = argparse.RawDescriptionHelpFormatter
 
@@ -35,7 +36,8 @@ def parser() -> argparse.ArgumentParser:
     add_test_command(sub)
     add_base_command(sub)
     add_format_patch_command(sub)
-    add_rebase_commands(sub)
+    add_rebase_command(sub)
+    add_status_command(sub)
     add_deliver_commands(sub)
     add_mutants_command(sub)
     for sp in sub.choices.values():

@@ -134,6 +134,13 @@ def say(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
+def atomic_write(path: Path, data: bytes) -> None:
+    """Write a file whole or not at all (a temporary file renamed over it)."""
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)
+
+
 def git(
     *args: str,
     cwd: Path | str | None = None,

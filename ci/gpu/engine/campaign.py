@@ -1,5 +1,6 @@
 """The device campaign: which scenarios each call runs (driver.py reads
-CALLS[call]; PLAN.md explains the order and the budget). A job is
+CALLS[call]; the campaign's plan, ci/gpu/results/history/engine/PLAN.md,
+explains the order and the budget). A job is
 RELEASE:VARIANT:SCENARIO. Order matters: the driver starts jobs in this
 order (exclusive ones alone), and what the call's deadline cuts off is the
 tail, so the most valuable jobs come first.
@@ -113,7 +114,7 @@ CALLS: dict[str, dict] = {
     },
 }
 
-# Issue #25 (PLAN.md, "Silent wrong outputs"): a second stage of v0.20.2 and
+# Issue #25 (the plan's "Silent wrong outputs"): a second stage of v0.20.2 and
 # v0.26.0 only (build_stage.py --prefix p): p1, p2 staging; p3 completes
 # v0.20.2 (release, + tq) and runs its jobs; p4 completes v0.26.0 (release,
 # + kvfix = the #50709 port, + patched = kvfix + tq-v0.33/0002, 0003) and
@@ -156,6 +157,6 @@ CALLS.update({
 })
 
 # Budgets (seconds from the start of call.sh, setup included) and the
-# device tool's timeout_s for each call; PLAN.md lists the run() calls.
+# device tool's timeout_s for each call; the plan lists the run() calls.
 BUDGET = {"c1": 150, "c2": 120, "c3": 420, "c4": 300, "c5": 240,
           "p1": 150, "p2": 120, "p3": 330, "p4": 560, "p5": 240}

@@ -24,6 +24,7 @@ After every job, $OUT/<call>_results.json, <call>_table.md and
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import signal
@@ -34,9 +35,10 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
+sys.path[:0] = [str(HERE), str(HERE.parent)]
 import campaign  # noqa: E402
 import scenarios as S  # noqa: E402
+from mdtable import md_table  # noqa: E402
 
 ROOT = Path(os.environ.get("ENG_ROOT", "/root/eng"))
 
@@ -59,7 +61,14 @@ def short(res: dict) -> str:
         chain = e.get("chain") or []
         # prefer the innermost message naming the bug
         for c in chain:
-            if any(k in c.get("first_line", "") for k in ("Cannot copy", "Workspace is locked", "TurboQuant KV cache is not supported")):
+            if any(
+                k in c.get("first_line", "")
+                for k in (
+                    "Cannot copy",
+                    "Workspace is locked",
+                    "TurboQuant KV cache is not supported",
+                )
+            ):
                 first = c["first_line"]
                 break
         return f"{o}: {e.get('type', '')}: {first[:160]}"
@@ -72,7 +81,9 @@ def short(res: dict) -> str:
     elif res.get("long"):
         mem = [r.get("mem", {}) for r in res["long"] if r.get("mem")]
         if mem:
-            extra = "alloc MiB " + "/".join(str(round(m["allocated"] / 2**20)) for m in mem)
+            extra = "alloc MiB " + "/".join(
+                str(round(m["allocated"] / 2**20)) for m in mem
+            )
             ws = mem[-1].get("workspace_bytes")
             if isinstance(ws, int):
                 extra += f" ws {ws / 2**20:.1f} MiB"
@@ -87,26 +98,42 @@ def short(res: dict) -> str:
 def eq_short(res: dict) -> str:
     """pfx: H batched == H alone per trial; sd: tok/s and acceptance."""
     if res.get("trials"):
-        same = sum(t["batched"]["token_ids"] == t["alone"]["token_ids"] for t in res["trials"])
+        same = sum(
+            t["batched"]["token_ids"] == t["alone"]["token_ids"] for t in res["trials"]
+        )
         return f"H batched == alone: {same}/{len(res['trials'])} trials"
     c = res.get("spec_counters", {}).get("bs1", {})
-    acc = [v for k, v in c.items() if k.endswith("num_accepted_tokens") and isinstance(v, float)]
-    drafts = [v for k, v in c.items() if k.endswith("num_draft_tokens") and isinstance(v, float)]
-    rate = f" accepted {acc[0]:.0f}/{drafts[0]:.0f} (cumulative)" if acc and drafts else ""
+    acc = [
+        v
+        for k, v in c.items()
+        if k.endswith("num_accepted_tokens") and isinstance(v, float)
+    ]
+    drafts = [
+        v
+        for k, v in c.items()
+        if k.endswith("num_draft_tokens") and isinstance(v, float)
+    ]
+    rate = (
+        f" accepted {acc[0]:.0f}/{drafts[0]:.0f} (cumulative)" if acc and drafts else ""
+    )
     return f"{res.get('eq_speed', {})}{rate}"
 
 
 def table(results: list[dict]) -> str:
-    lines = ["| release | variant | scenario | outcome | s |", "|---|---|---|---|---|"]
-    for r in results:
-        lines.append(f"| {r.get('release')} | {r.get('variant')} | {r.get('scenario')} | "
-                     f"{short(r).replace('|', '/')} | {r.get('wall_s', '')} |")
-    return "\n".join(lines) + "\n"
+    rows = [
+        [r.get("release"), r.get("variant"), r.get("scenario")]
+        + [short(r).replace("|", "/"), r.get("wall_s", "")]
+        for r in results
+    ]
+    header = ["release", "variant", "scenario", "outcome", "s"]
+    return "\n".join(md_table(header, rows)) + "\n"
 
 
 def save(out: Path, call: str, results: list[dict], work: Path) -> None:
     tmp = out / f".{call}_results.json"
-    tmp.write_text(json.dumps({"call": call, "results": results}, indent=1, default=str))
+    tmp.write_text(
+        json.dumps({"call": call, "results": results}, indent=1, default=str)
+    )
     tmp.replace(out / f"{call}_results.json")
     (out / f"{call}_table.md").write_text(table(results))
     tp = out / f".{call}_logs.tar.gz"
@@ -117,155 +144,250 @@ def save(out: Path, call: str, results: list[dict], work: Path) -> None:
     tp.replace(out / f"{call}_logs.tar.gz")
 
 
-def main() -> int:
+@dataclasses.dataclass
+class Call:
+    """One call's jobs: those queued, those running, the results so far."""
+
+    name: str
+    queue: list[str]
+    parallel: int
+    deadline: float  # running jobs are killed past it
+    out: Path
+    work: Path
+    t_start: float
+    results: list[dict] = dataclasses.field(default_factory=list)
+    running: dict[str, dict] = dataclasses.field(default_factory=dict)
+    failed_import: set[tuple[str, str]] = dataclasses.field(default_factory=set)
+
+    def run(self) -> None:
+        """Start jobs as they may start, until none is left or the deadline."""
+        while self.queue or self.running:
+            self.reap()
+            if time.time() > self.deadline:
+                self.stop_at_deadline()
+                break
+            self.start_ready()
+            time.sleep(0.5)
+        save(self.out, self.name, self.results, self.work)
+
+    def reap(self) -> None:
+        for key in list(self.running):
+            info = self.running[key]
+            if info["proc"].poll() is not None:
+                del self.running[key]
+                self.finish(key, info)
+
+    def stop_at_deadline(self) -> None:
+        for key, info in list(self.running.items()):
+            try:
+                os.killpg(info["proc"].pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            info["proc"].wait()
+            del self.running[key]
+            self.finish(key, info, status="killed: call deadline")
+        for key in self.queue:
+            self.skip(key, "call deadline")
+        self.queue = []
+
+    def start_ready(self) -> None:
+        """Start the queued jobs that may start now, in order."""
+        while self.queue:
+            key = self.queue[0]
+            scn = key.split(":")[2]
+            s = S.SCENARIOS[scn]
+            why = self.skip_reason(key)
+            if why:
+                self.queue.pop(0)
+                self.skip(key, why)
+                continue
+            if not self.has_room(s):
+                break
+            if s["kind"] == "engine" and uses_gmu(scn) and self.gmu_running():
+                # look further down the queue for a job that may start now
+                nxt = self.next_without_gmu()
+                if nxt is None:
+                    break
+                self.queue.remove(nxt)
+                self.start(nxt)
+                continue
+            self.queue.pop(0)
+            self.start(key)
+            if s["exclusive"]:
+                break
+
+    def skip_reason(self, key: str) -> str | None:
+        rel, var, scn = key.split(":")
+        tree = tree_of(rel, var)
+        if not (tree / ".complete").exists():
+            return f"tree {tree.name} not staged"
+        if (rel, var) in self.failed_import and scn != "import":
+            return "import check failed for this tree"
+        if self.deadline - time.time() < 45:
+            return "call deadline"
+        return None
+
+    def has_room(self, s: dict) -> bool:
+        """Exclusive jobs run alone; the others up to --parallel at once."""
+        if any(i["exclusive"] for i in self.running.values()):
+            return False
+        if s["exclusive"]:
+            return not self.running
+        return len(self.running) < self.parallel
+
+    def gmu_running(self) -> bool:
+        return any(i["gmu"] for i in self.running.values())
+
+    def next_without_gmu(self) -> str | None:
+        """The first queued job after the head that is neither exclusive nor
+        sized by the memory profile."""
+        for q in self.queue[1:]:
+            scn = q.split(":")[2]
+            s = S.SCENARIOS[scn]
+            if not s["exclusive"] and not (s["kind"] == "engine" and uses_gmu(scn)):
+                return q
+        return None
+
+    def start(self, key: str) -> None:
+        rel, var, scn = key.split(":")
+        s = S.SCENARIOS[scn]
+        tree = tree_of(rel, var)
+        to = int(min(s["timeout"], self.deadline - time.time()))
+        jf = self.work / f"{rel}_{var}_{scn}.json"
+        log = self.work / f"{rel}_{var}_{scn}.log"
+        env = dict(os.environ)
+        env["PYTHONPATH"] = f"{tree}:{ROOT / 'deps'}"
+        # vLLM's compile cache per job (jobs of one config must not write one
+        # directory at once); Inductor's and Triton's caches stay shared
+        env["VLLM_CACHE_ROOT"] = str(ROOT / "cache" / "vllm" / f"{rel}_{var}_{scn}")
+        cmd = [
+            "timeout",
+            "-k",
+            "10",
+            str(to),
+            sys.executable,
+            str(HERE / "scenario.py"),
+        ]
+        cmd += ["--scenario", scn, "--release", rel, "--variant", var]
+        cmd += ["--tree", str(tree), "--json", str(jf)]
+        with open(log, "w") as lf:
+            p = subprocess.Popen(
+                cmd,
+                stdout=lf,
+                stderr=subprocess.STDOUT,
+                env=env,
+                start_new_session=True,
+            )
+        self.running[key] = {
+            "proc": p,
+            "t0": time.time(),
+            "json": jf,
+            "log": log,
+            "gmu": uses_gmu(scn) if s["kind"] == "engine" else False,
+            "exclusive": s["exclusive"],
+        }
+        self.say(f"start {key} (timeout {to} s)")
+
+    def finish(self, key: str, info: dict, status: str | None = None) -> None:
+        p = info["proc"]
+        try:  # the job's process group: an engine-core child or compile workers
+            os.killpg(p.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        res = read_result(info["json"])
+        rel, var, scn = key.split(":")
+        res.update(release=rel, variant=var, scenario=scn)
+        res["wall_s"] = round(time.time() - info["t0"], 1)
+        res["rc"] = p.returncode
+        res["outcome"] = outcome(res, p.returncode, status)
+        if res["outcome"] not in ("ok",) and not res.get("error"):
+            res["error"] = log_error(info["log"])
+        if scn == "import" and res["outcome"] != "ok":
+            self.failed_import.add((rel, var))
+        self.results.append(res)
+        self.say(f"done {key}: {short(res)} ({res['wall_s']} s)")
+        save(self.out, self.name, self.results, self.work)
+
+    def skip(self, key: str, why: str) -> None:
+        rel, var, scn = key.split(":")
+        res = {"release": rel, "variant": var, "scenario": scn}
+        self.results.append(res | {"outcome": f"skipped: {why}"})
+        print(f"[driver] skip {key}: {why}", flush=True)
+        save(self.out, self.name, self.results, self.work)
+
+    def say(self, msg: str) -> None:
+        print(f"[driver] t={time.time() - self.t_start:5.0f}s {msg}", flush=True)
+
+
+def read_result(jf: Path) -> dict:
+    """The job's JSON as scenario.py left it ({} if none)."""
+    if not jf.exists():
+        return {}
+    try:
+        return json.loads(jf.read_text())
+    except Exception as e:  # noqa: BLE001
+        return {"outcome": "error", "error": {"type": "BadJSON", "first_line": repr(e)}}
+
+
+def outcome(res: dict, rc: int | None, status: str | None) -> str:
+    """A job's outcome: the driver's own (a deadline), a timeout, a crash
+    before the job wrote one, or what the job wrote."""
+    if status:
+        return status
+    if rc == 124 or rc == -9:
+        return (
+            "timeout" if res.get("outcome") in (None, "incomplete") else res["outcome"]
+        )
+    if res.get("outcome") in (None, "incomplete"):
+        return f"crashed (rc {rc})"
+    return res["outcome"]
+
+
+def log_error(log: Path) -> dict:
+    """A failed job's error from the end of its log."""
+    text = log.read_text(errors="replace") if log.exists() else ""
+    tail = [ln for ln in text.splitlines() if ln.strip()][-12:]
+    return {
+        "type": "log",
+        "first_line": (tail[-1] if tail else "")[:300],
+        "log_tail": "\n".join(tail)[-3000:],
+    }
+
+
+def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser()
     ap.add_argument("--call", default="adhoc")
     ap.add_argument("--jobs", default="")
     ap.add_argument("--deadline", type=float, default=540)
     ap.add_argument("--parallel", type=int, default=0)
     ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/out"))
-    a = ap.parse_args()
+    return ap.parse_args()
+
+
+def main() -> int:
+    a = parse_args()
     t_start = time.time()
-    deadline = t_start + a.deadline - 15
     plan = campaign.CALLS.get(a.call, {})
     jobs = [j for j in (a.jobs.split(",") if a.jobs else plan.get("jobs", [])) if j]
-    parallel = a.parallel or plan.get("parallel", 4)
-    out = Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
-    work = ROOT / "work" / a.call
-    work.mkdir(parents=True, exist_ok=True)
-    print(f"[driver] {a.call}: {len(jobs)} jobs, parallel {parallel}, deadline {a.deadline:.0f} s", flush=True)
-    results: list[dict] = []
-    running: dict[str, dict] = {}
-    failed_import: set[tuple[str, str]] = set()
-    queue = list(jobs)
-
-    def finish(key: str, info: dict, status: str | None = None) -> None:
-        p = info["proc"]
-        try:  # the job's process group: an engine-core child or compile workers left behind
-            os.killpg(p.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
-        jf = info["json"]
-        res: dict = {}
-        if jf.exists():
-            try:
-                res = json.loads(jf.read_text())
-            except Exception as e:  # noqa: BLE001
-                res = {"outcome": "error", "error": {"type": "BadJSON", "first_line": repr(e)}}
-        rel, var, scn = key.split(":")
-        res.update(release=rel, variant=var, scenario=scn)
-        res["wall_s"] = round(time.time() - info["t0"], 1)
-        res["rc"] = p.returncode
-        if status:
-            res["outcome"] = status
-        elif p.returncode == 124 or p.returncode == -9:
-            res["outcome"] = "timeout" if res.get("outcome") in (None, "incomplete") else res["outcome"]
-        elif res.get("outcome") in (None, "incomplete"):
-            res["outcome"] = f"crashed (rc {p.returncode})"
-        if res["outcome"] not in ("ok",) and not res.get("error"):
-            log = info["log"].read_text(errors="replace") if info["log"].exists() else ""
-            tail = [ln for ln in log.splitlines() if ln.strip()][-12:]
-            res["error"] = {"type": "log", "first_line": (tail[-1] if tail else "")[:300],
-                            "log_tail": "\n".join(tail)[-3000:]}
-        if scn == "import" and res["outcome"] != "ok":
-            failed_import.add((rel, var))
-        results.append(res)
-        print(f"[driver] t={time.time() - t_start:5.0f}s done {key}: {short(res)} ({res['wall_s']} s)", flush=True)
-        save(out, a.call, results, work)
-
-    def start(key: str) -> None:
-        rel, var, scn = key.split(":")
-        s = S.SCENARIOS[scn]
-        tree = tree_of(rel, var)
-        left = deadline - time.time()
-        to = int(min(s["timeout"], left))
-        jf = work / f"{rel}_{var}_{scn}.json"
-        log = work / f"{rel}_{var}_{scn}.log"
-        env = dict(os.environ)
-        env["PYTHONPATH"] = f"{tree}:{ROOT / 'deps'}"
-        # vLLM's compile cache per job (jobs of one config must not write one
-        # directory at once); Inductor's and Triton's caches stay shared
-        env["VLLM_CACHE_ROOT"] = str(ROOT / "cache" / "vllm" / f"{rel}_{var}_{scn}")
-        cmd = ["timeout", "-k", "10", str(to), sys.executable, str(HERE / "scenario.py"),
-               "--scenario", scn, "--release", rel, "--variant", var, "--tree", str(tree), "--json", str(jf)]
-        with open(log, "w") as lf:
-            p = subprocess.Popen(cmd, stdout=lf, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-        running[key] = {"proc": p, "t0": time.time(), "json": jf, "log": log, "gmu": uses_gmu(scn) if s["kind"] == "engine" else False,
-                        "exclusive": s["exclusive"]}
-        print(f"[driver] t={time.time() - t_start:5.0f}s start {key} (timeout {to} s)", flush=True)
-
-    def skip(key: str, why: str) -> None:
-        rel, var, scn = key.split(":")
-        res = {"release": rel, "variant": var, "scenario": scn, "outcome": f"skipped: {why}"}
-        results.append(res)
-        print(f"[driver] skip {key}: {why}", flush=True)
-        save(out, a.call, results, work)
-
-    while queue or running:
-        # reap
-        for key in list(running):
-            info = running[key]
-            if info["proc"].poll() is not None:
-                del running[key]
-                finish(key, info)
-        if time.time() > deadline:
-            for key, info in list(running.items()):
-                try:
-                    os.killpg(info["proc"].pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-                info["proc"].wait()
-                del running[key]
-                finish(key, info, status="killed: call deadline")
-            for key in queue:
-                skip(key, "call deadline")
-            queue = []
-            break
-        # start what may start
-        while queue:
-            key = queue[0]
-            rel, var, scn = key.split(":")
-            s = S.SCENARIOS[scn]
-            tree = tree_of(rel, var)
-            if not (tree / ".complete").exists():
-                queue.pop(0)
-                skip(key, f"tree {tree.name} not staged")
-                continue
-            if (rel, var) in failed_import and scn != "import":
-                queue.pop(0)
-                skip(key, "import check failed for this tree")
-                continue
-            if deadline - time.time() < 45:
-                queue.pop(0)
-                skip(key, "call deadline")
-                continue
-            excl_running = any(i["exclusive"] for i in running.values())
-            if excl_running:
-                break
-            if s["exclusive"]:
-                if running:
-                    break
-            elif len(running) >= parallel:
-                break
-            if s["kind"] == "engine" and uses_gmu(scn) and any(i["gmu"] for i in running.values()):
-                # look further down the queue for a job that may start now
-                nxt = next((q for q in queue[1:] if not S.SCENARIOS[q.split(":")[2]]["exclusive"]
-                            and not (S.SCENARIOS[q.split(":")[2]]["kind"] == "engine" and uses_gmu(q.split(":")[2]))),
-                           None)
-                if nxt is None:
-                    break
-                queue.remove(nxt)
-                start(nxt)
-                continue
-            queue.pop(0)
-            start(key)
-            if s["exclusive"]:
-                break
-        time.sleep(0.5)
-    save(out, a.call, results, work)
+    call = Call(
+        name=a.call,
+        queue=list(jobs),
+        parallel=a.parallel or plan.get("parallel", 4),
+        deadline=t_start + a.deadline - 15,
+        out=Path(a.out),
+        work=ROOT / "work" / a.call,
+        t_start=t_start,
+    )
+    call.out.mkdir(parents=True, exist_ok=True)
+    call.work.mkdir(parents=True, exist_ok=True)
+    print(
+        f"[driver] {a.call}: {len(jobs)} jobs, parallel {call.parallel}, "
+        f"deadline {a.deadline:.0f} s",
+        flush=True,
+    )
+    call.run()
     print(f"\n[driver] {a.call} finished in {time.time() - t_start:.0f} s\n")
-    print(table(results))
+    print(table(call.results))
     return 0
 
 

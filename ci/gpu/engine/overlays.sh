@@ -1,5 +1,6 @@
 #!/bin/bash
-# The v0.26.0 variants of PLAN.md's "Silent wrong outputs" as overlay
+# The v0.26.0 variants of the engine campaign's "Silent wrong outputs" calls
+# (ci/gpu/results/history/engine/PLAN.md) as overlay
 # directories for build_stage.py (--overlay v0.26.0:VARIANT=OUT/VARIANT):
 #   kvfix    v0.26.0 + ports/v0.26.0-tq-kv-shape-v1-runner.diff: vllm#50709
 #            ("Unknown TurboQuant cache dtype: 'auto'") on the V1 model

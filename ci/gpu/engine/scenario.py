@@ -51,7 +51,12 @@ def err_info(e: BaseException) -> dict:
     x: BaseException | None = e
     while x is not None and len(chain) < 6:
         msg = str(x).strip()
-        chain.append({"type": type(x).__name__, "first_line": msg.splitlines()[0][:500] if msg else ""})
+        chain.append(
+            {
+                "type": type(x).__name__,
+                "first_line": msg.splitlines()[0][:500] if msg else "",
+            }
+        )
         x = x.__cause__ or x.__context__
     return {
         "type": type(e).__name__,
@@ -145,8 +150,10 @@ def probe_memory(w) -> dict:
                 )
 
                 cfg = getattr(mod, "_tq_config", None)
-                ref = get_centroids(mod.head_size if hasattr(mod, "head_size") else c.shape[-1],
-                                    cfg.centroid_bits).to(c.device, c.dtype)
+                ref = get_centroids(
+                    mod.head_size if hasattr(mod, "head_size") else c.shape[-1],
+                    cfg.centroid_bits,
+                ).to(c.device, c.dtype)
                 centroids_ok = bool(torch.allclose(c, ref))
             except Exception as e:  # noqa: BLE001
                 centroids_ok = f"unknown: {e!r}"[:200]
@@ -156,7 +163,11 @@ def probe_memory(w) -> dict:
 
         if wsm.is_workspace_manager_initialized():
             m = wsm.current_workspace_manager()
-            ws = sum(t.numel() * t.element_size() for t in m._current_workspaces if t is not None)
+            ws = sum(
+                t.numel() * t.element_size()
+                for t in m._current_workspaces
+                if t is not None
+            )
     except Exception as e:  # noqa: BLE001
         ws = f"n/a: {e!r}"[:200]
     torch.cuda.synchronize()
@@ -180,14 +191,18 @@ def probe_config(w) -> dict:
         out["cudagraph_mode"] = str(cc.cudagraph_mode)
         out["compilation_mode"] = str(getattr(cc, "mode", getattr(cc, "level", None)))
         out["capture_sizes"] = list(cc.cudagraph_capture_sizes or [])
-        out["flash_attn_version"] = getattr(vc.attention_config, "flash_attn_version", None)
+        out["flash_attn_version"] = getattr(
+            vc.attention_config, "flash_attn_version", None
+        )
         out["block_size"] = vc.cache_config.block_size
         out["num_gpu_blocks"] = vc.cache_config.num_gpu_blocks
         out["max_num_batched_tokens"] = vc.scheduler_config.max_num_batched_tokens
         out["chunked_prefill"] = vc.scheduler_config.enable_chunked_prefill
         out["prefix_caching"] = vc.cache_config.enable_prefix_caching
         out["async_scheduling"] = getattr(vc.scheduler_config, "async_scheduling", None)
-        out["kv_skip_layers"] = getattr(vc.cache_config, "kv_cache_dtype_skip_layers", None)
+        out["kv_skip_layers"] = getattr(
+            vc.cache_config, "kv_cache_dtype_skip_layers", None
+        )
     except Exception as e:  # noqa: BLE001
         out["error"] = repr(e)[:300]
     try:
@@ -214,7 +229,9 @@ def probe_weights(w) -> str:
     with torch.no_grad():
         for name, p in w.model_runner.model.named_parameters():
             d = p.detach().double()
-            h.update(f"{name}:{tuple(p.shape)}:{d.sum().item():.6e}:{d.abs().sum().item():.6e};".encode())
+            h.update(
+                f"{name}:{tuple(p.shape)}:{d.sum().item():.6e}:{d.abs().sum().item():.6e};".encode()
+            )
     return h.hexdigest()[:16]
 
 
@@ -241,36 +258,9 @@ def run_import(res: dict) -> None:
 
     res["platform"] = type(current_platform).__name__
     res["capability"] = str(current_platform.get_device_capability())
-    checks = {}
-    try:
-        x = torch.randn(64, 1024, device="cuda", dtype=torch.bfloat16)
-        w = torch.randn(1024, device="cuda", dtype=torch.bfloat16)
-        out = torch.empty_like(x)
-        torch.ops._C.rms_norm(out, x, w, 1e-6)
-        ref = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + 1e-6) * w.float()
-        checks["_C.rms_norm_max_abs_err"] = float((out.float() - ref).abs().max())
-    except Exception as e:  # noqa: BLE001
-        checks["_C.rms_norm"] = f"FAILED {e!r}"[:300]
-    try:
-        from vllm.vllm_flash_attn import flash_attn_interface as fai
-
-        checks["FA2"] = [fai.FA2_AVAILABLE, (fai.FA2_UNAVAILABLE_REASON or "")[:200]]
-        checks["FA3"] = [fai.FA3_AVAILABLE, (fai.FA3_UNAVAILABLE_REASON or "")[:200]]
-        from vllm.vllm_flash_attn import flash_attn_varlen_func
-
-        q = torch.randn(300, 16, 256, device="cuda", dtype=torch.bfloat16)
-        k = torch.randn(300, 4, 256, device="cuda", dtype=torch.bfloat16)
-        v = torch.randn_like(k)
-        cu = torch.tensor([0, 300], device="cuda", dtype=torch.int32)
-        r = torch.nn.functional.scaled_dot_product_attention(
-            q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=True, enable_gqa=True
-        ).transpose(0, 1)
-        o = flash_attn_varlen_func(q=q, k=k, v=v, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=300,
-                                   max_seqlen_k=300, causal=True, fa_version=2)
-        o = o[0] if isinstance(o, tuple) else o
-        checks["FA2_varlen_max_abs_err_vs_sdpa"] = float((o.float() - r.float()).abs().max())
-    except Exception as e:  # noqa: BLE001
-        checks["FA2_varlen"] = f"FAILED {e!r}"[:300]
+    checks: dict = {}
+    check_rms_norm(checks)
+    check_flash_attn(checks)
     try:
         from vllm.v1.attention.backends import turboquant_attn as tq
 
@@ -284,10 +274,76 @@ def run_import(res: dict) -> None:
         except Exception as e:  # noqa: BLE001
             checks[mod] = f"FAILED {e!r}"[:200]
     res["checks"] = checks
-    bad = [k for k, v in checks.items() if isinstance(v, str) and v.startswith("FAILED")]
+    bad = [
+        k for k, v in checks.items() if isinstance(v, str) and v.startswith("FAILED")
+    ]
     res["outcome"] = "ok" if not bad else "failed"
     if bad:
-        res["error"] = {"type": "CheckFailed", "first_line": "; ".join(f"{k}: {checks[k]}" for k in bad)[:500]}
+        res["error"] = {
+            "type": "CheckFailed",
+            "first_line": "; ".join(f"{k}: {checks[k]}" for k in bad)[:500],
+        }
+
+
+def check_rms_norm(checks: dict) -> None:
+    """vllm._C's rms_norm against PyTorch (the compiled ops load and run)."""
+    import torch
+
+    try:
+        x = torch.randn(64, 1024, device="cuda", dtype=torch.bfloat16)
+        w = torch.randn(1024, device="cuda", dtype=torch.bfloat16)
+        out = torch.empty_like(x)
+        torch.ops._C.rms_norm(out, x, w, 1e-6)
+        ref = (
+            x.float()
+            * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + 1e-6)
+            * w.float()
+        )
+        checks["_C.rms_norm_max_abs_err"] = float((out.float() - ref).abs().max())
+    except Exception as e:  # noqa: BLE001
+        checks["_C.rms_norm"] = f"FAILED {e!r}"[:300]
+
+
+def check_flash_attn(checks: dict) -> None:
+    """The wheel's FA2 and FA3 availability, and FA2's varlen attention
+    against PyTorch's SDPA."""
+    import torch
+
+    try:
+        from vllm.vllm_flash_attn import flash_attn_interface as fai
+
+        checks["FA2"] = [fai.FA2_AVAILABLE, (fai.FA2_UNAVAILABLE_REASON or "")[:200]]
+        checks["FA3"] = [fai.FA3_AVAILABLE, (fai.FA3_UNAVAILABLE_REASON or "")[:200]]
+        from vllm.vllm_flash_attn import flash_attn_varlen_func
+
+        q = torch.randn(300, 16, 256, device="cuda", dtype=torch.bfloat16)
+        k = torch.randn(300, 4, 256, device="cuda", dtype=torch.bfloat16)
+        v = torch.randn_like(k)
+        cu = torch.tensor([0, 300], device="cuda", dtype=torch.int32)
+        r = torch.nn.functional.scaled_dot_product_attention(
+            q.transpose(0, 1),
+            k.transpose(0, 1),
+            v.transpose(0, 1),
+            is_causal=True,
+            enable_gqa=True,
+        ).transpose(0, 1)
+        o = flash_attn_varlen_func(
+            q=q,
+            k=k,
+            v=v,
+            cu_seqlens_q=cu,
+            cu_seqlens_k=cu,
+            max_seqlen_q=300,
+            max_seqlen_k=300,
+            causal=True,
+            fa_version=2,
+        )
+        o = o[0] if isinstance(o, tuple) else o
+        checks["FA2_varlen_max_abs_err_vs_sdpa"] = float(
+            (o.float() - r.float()).abs().max()
+        )
+    except Exception as e:  # noqa: BLE001
+        checks["FA2_varlen"] = f"FAILED {e!r}"[:300]
 
 
 def gpu_name() -> str:
@@ -304,14 +360,30 @@ def gen(llm, prompts, sp):
 
 
 def run_engine(name: str, res: dict) -> None:
+    """One engine scenario: the engine started and probed, then its
+    workload."""
     s = S.SCENARIOS[name]
-    res["weights"] = install_weight_init()
-    import torch
+    res["weights"] = install_weight_init()  # imports torch
+    import vllm
     from vllm import LLM, SamplingParams
 
-    import vllm
-
     res["vllm"] = vllm.__version__
+    llm = start_engine(LLM, name, res)
+    if llm is None:
+        return
+    if s["workload"] == "none":
+        res["outcome"] = "ok"
+    elif s["workload"] in ("prefix_batch", "spec_eq"):
+        run_eq(llm, s["workload"], res, SamplingParams)
+    elif s["workload"] == "speed":
+        run_speed_alone(llm, res, SamplingParams)
+    else:
+        run_std(llm, s, res, SamplingParams)
+
+
+def start_engine(LLM, name: str, res: dict):
+    """vllm.LLM with the scenario's engine arguments (None if it did not
+    start: init_failed), its config and GPU memory once started."""
     # (no CUDA call before LLM(): with MP=1 vLLM would switch the engine-core
     # process from fork to spawn)
     kw = S.engine_kwargs(name)
@@ -325,7 +397,7 @@ def run_engine(name: str, res: dict) -> None:
         res["outcome"] = "init_failed"
         res["error"] = err_info(e)
         res["gpu"] = gpu_name()
-        return
+        return None
     res["init_s"] = round(time.time() - t0, 1)
     res["gpu"] = gpu_name()
     try:
@@ -333,28 +405,31 @@ def run_engine(name: str, res: dict) -> None:
         res["mem_after_init"] = llm.collective_rpc(probe_memory)[0]
     except Exception as e:  # noqa: BLE001
         res["probe_error"] = repr(e)[:300]
-    if s["workload"] == "none":
+    return llm
+
+
+def run_speed_alone(llm, res: dict, SamplingParams) -> None:
+    """The throughput workload, then the engine-core process stopped (MP=1)."""
+    res["phase"] = "speed"
+    try:
+        run_speed(llm, res, SamplingParams)
         res["outcome"] = "ok"
-        return
-    if s["workload"] in ("prefix_batch", "spec_eq"):
-        run_eq(llm, s["workload"], res, SamplingParams)
-        return
-    if s["workload"] == "speed":
-        res["phase"] = "speed"
-        try:
-            run_speed(llm, res, SamplingParams)
-            res["outcome"] = "ok"
-        except BaseException as e:  # noqa: BLE001
-            res["outcome"] = "run_failed"
-            res["error"] = err_info(e)
-        try:
-            llm.llm_engine.engine_core.shutdown()  # MP=1: stop the engine-core process
-        except Exception:  # noqa: BLE001
-            pass
-        return
-    # std workload: short prompts, then the continuation requests
+    except BaseException as e:  # noqa: BLE001
+        res["outcome"] = "run_failed"
+        res["error"] = err_info(e)
+    try:
+        llm.llm_engine.engine_core.shutdown()  # MP=1: stop the engine-core process
+    except Exception:  # noqa: BLE001
+        pass
+
+
+def run_std(llm, s: dict, res: dict, SamplingParams) -> None:
+    """The standard workload: short prompts (greedy tokens, logprobs), then
+    the continuation requests with GPU memory after the measured ones."""
     res["phase"] = "short"
-    sp = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True, detokenize=False, logprobs=5)
+    sp = SamplingParams(
+        temperature=0.0, max_tokens=32, ignore_eos=True, detokenize=False, logprobs=5
+    )
     try:
         t = time.time()
         outs = gen(llm, S.short_prompts(), sp)
@@ -363,7 +438,10 @@ def run_engine(name: str, res: dict) -> None:
             {
                 "token_ids": list(o.outputs[0].token_ids),
                 "logprobs": [
-                    {str(tid): round(float(lp.logprob), 5) for tid, lp in (d or {}).items()}
+                    {
+                        str(tid): round(float(lp.logprob), 5)
+                        for tid, lp in (d or {}).items()
+                    }
                     for d in (o.outputs[0].logprobs or [])
                 ],
             }
@@ -375,9 +453,15 @@ def run_engine(name: str, res: dict) -> None:
         return
     res["phase"] = "long"
     res["long"] = []
-    sp_long = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, detokenize=False)
+    sp_long = SamplingParams(
+        temperature=0.0, max_tokens=4, ignore_eos=True, detokenize=False
+    )
     for req in S.long_requests(s["prefix"]):
-        row = {"label": req["label"], "ctx": req["ctx"], "prompt_len": len(req["prompt"])}
+        row = {
+            "label": req["label"],
+            "ctx": req["ctx"],
+            "prompt_len": len(req["prompt"]),
+        }
         res["long"].append(row)
         try:
             t = time.time()
@@ -402,8 +486,10 @@ def record(o, prompt: list[int] | None = None, tail: int = 0) -> dict:
     c = o.outputs[0]
     r = {
         "token_ids": list(c.token_ids),
-        "logprobs": [{str(t): round(float(lp.logprob), 5) for t, lp in (d or {}).items()}
-                     for d in (c.logprobs or [])],
+        "logprobs": [
+            {str(t): round(float(lp.logprob), 5) for t, lp in (d or {}).items()}
+            for d in (c.logprobs or [])
+        ],
         "num_cached_tokens": getattr(o, "num_cached_tokens", None),
     }
     if tail:
@@ -420,9 +506,16 @@ def run_prefix_batch(llm, res: dict, SamplingParams) -> None:
     """vllm#46460 (PFX): H = P + tail with P cached, alone, then in one step
     with a fresh prompt F longer than H. The oracle is H alone."""
     c = S.PFX
-    sp_p = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True, detokenize=False)
-    kw = {"temperature": 0.0, "max_tokens": c["max_tokens"], "ignore_eos": True, "detokenize": False,
-          "logprobs": 5}
+    sp_p = SamplingParams(
+        temperature=0.0, max_tokens=1, ignore_eos=True, detokenize=False
+    )
+    kw = {
+        "temperature": 0.0,
+        "max_tokens": c["max_tokens"],
+        "ignore_eos": True,
+        "detokenize": False,
+        "logprobs": 5,
+    }
     # prompt logprobs skip the prefix cache unless told not to (sampling_params.py)
     sp_h = SamplingParams(**kw, prompt_logprobs=1, skip_reading_prefix_cache=False)
     sp_f = SamplingParams(**kw)
@@ -436,8 +529,11 @@ def run_prefix_batch(llm, res: dict, SamplingParams) -> None:
         row["alone"] = record(gen(llm, [h], sp_h)[0], h, m)
         row["reset"] = [llm.reset_prefix_cache()]
         gen(llm, [t["P"]], sp_p)
-        oh, of = llm.generate([{"prompt_token_ids": h}, {"prompt_token_ids": t["F"]}], [sp_h, sp_f],
-                              use_tqdm=False)
+        oh, of = llm.generate(
+            [{"prompt_token_ids": h}, {"prompt_token_ids": t["F"]}],
+            [sp_h, sp_f],
+            use_tqdm=False,
+        )
         row["batched"] = record(oh, h, m)
         row["fresh"] = record(of)
         row["reset"].append(llm.reset_prefix_cache())
@@ -461,9 +557,16 @@ def spec_counters(llm) -> dict:
 def run_spec_eq(llm, res: dict, SamplingParams) -> None:
     """Greedy outputs of spec_prompts, one at a time and then all at once,
     with the time each took and the speculative-decoding counters."""
-    sp = SamplingParams(temperature=0.0, max_tokens=S.SPEC_TOKENS, ignore_eos=True, detokenize=False,
-                        logprobs=5)
-    warm = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True, detokenize=False)
+    sp = SamplingParams(
+        temperature=0.0,
+        max_tokens=S.SPEC_TOKENS,
+        ignore_eos=True,
+        detokenize=False,
+        logprobs=5,
+    )
+    warm = SamplingParams(
+        temperature=0.0, max_tokens=32, ignore_eos=True, detokenize=False
+    )
     prompts = S.spec_prompts()
     gen(llm, [S.random_tokens(48, 99)], warm)
     res["spec_counters"] = {"start": spec_counters(llm)}
@@ -485,8 +588,10 @@ def run_spec_eq(llm, res: dict, SamplingParams) -> None:
     res["spec_batch"].update(s=min(times), s_each=times)
     n1 = sum(len(x["token_ids"]) for x in res["spec_bs1"])
     nb = sum(len(x["token_ids"]) for x in res["spec_batch"]["outputs"])
-    res["eq_speed"] = {"bs1_tok_per_s": round(n1 / sum(x["s"] for x in res["spec_bs1"]), 1),
-                       f"bs{len(prompts)}_tok_per_s": round(nb / res["spec_batch"]["s"], 1)}
+    res["eq_speed"] = {
+        "bs1_tok_per_s": round(n1 / sum(x["s"] for x in res["spec_bs1"]), 1),
+        f"bs{len(prompts)}_tok_per_s": round(nb / res["spec_batch"]["s"], 1),
+    }
 
 
 def run_eq(llm, workload: str, res: dict, SamplingParams) -> None:
@@ -497,7 +602,9 @@ def run_eq(llm, workload: str, res: dict, SamplingParams) -> None:
         res["weights_digest"] = f"n/a: {e!r}"[:200]
     checkpoint()
     try:
-        (run_prefix_batch if workload == "prefix_batch" else run_spec_eq)(llm, res, SamplingParams)
+        (run_prefix_batch if workload == "prefix_batch" else run_spec_eq)(
+            llm, res, SamplingParams
+        )
         res["outcome"] = "ok"
     except BaseException as e:  # noqa: BLE001
         res["outcome"] = "run_failed"
@@ -505,8 +612,12 @@ def run_eq(llm, workload: str, res: dict, SamplingParams) -> None:
 
 
 def run_speed(llm, res: dict, SamplingParams) -> None:
-    sp = SamplingParams(temperature=0.0, max_tokens=256, ignore_eos=True, detokenize=False)
-    warm = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, detokenize=False)
+    sp = SamplingParams(
+        temperature=0.0, max_tokens=256, ignore_eos=True, detokenize=False
+    )
+    warm = SamplingParams(
+        temperature=0.0, max_tokens=16, ignore_eos=True, detokenize=False
+    )
     res["speed"] = {}
     for bs in (1, 32):
         prompts = [S.random_tokens(32, 5000 + i) for i in range(bs)]
@@ -517,134 +628,16 @@ def run_speed(llm, res: dict, SamplingParams) -> None:
             outs = gen(llm, prompts, sp)
             dt = time.perf_counter() - t
             ntok = sum(len(o.outputs[0].token_ids) for o in outs)
-            reps.append({"s": round(dt, 4), "tokens": ntok, "tok_per_s": round(ntok / dt, 1)})
+            reps.append(
+                {"s": round(dt, 4), "tokens": ntok, "tok_per_s": round(ntok / dt, 1)}
+            )
         best = max(r["tok_per_s"] for r in reps)
-        res["speed"][f"bs{bs}"] = {"reps": reps, "best_tok_per_s": best,
-                                   "prompt_len": 32, "max_tokens": 256}
-
-
-def fake(res: dict, name: str, release: str, variant: str) -> None:
-    """ENG_FAKE=1: a synthetic result in the real format, for dry runs of
-    driver.py and summarize.py on a machine without a GPU (never on the device)."""
-    import random
-
-    s = S.SCENARIOS[name]
-    time.sleep(float(os.environ.get("ENG_FAKE_SLEEP", "1")))
-    res["fake"] = True
-    res["gpu"] = "FAKE (dry run)"
-    if s["kind"] == "import":
-        res["outcome"] = "ok"
-        return
-    if s["kind"] == "cont_bench":
-        import cont_bench
-
-        v = cont_bench.variant_letter(release, variant)
-        res["bench_variant"] = v
-        res["real_flash_attn_varlen_func"] = "vllm.vllm_flash_attn.flash_attn_interface.flash_attn_varlen_func"
-        runs = []
-        for preset in ("turboquant_4bit_nc", "turboquant_k8v4"):
-            for cached in (4096, 32768, 131072):
-                for q in (512, 4096):
-                    fl = 4 * q * cached * 16 * 256 / 7.5e14 * 1e3
-                    t = fl * {"a": 3.0, "b": 2.6, "c": 1.6}[v]
-                    runs.append({"preset": preset, "mode": "real", "cached": cached, "q": q,
-                                 "floor": {"floor_ms": fl}, "time": {"median_ms": t},
-                                 "peak_extra_bytes": {"a": 512, "b": 300, "c": 20}[v] << 20})
-        res["bench"] = {"runs": runs, "reserved": {"131072": {"workspace_bytes": {"a": 0, "b": 512 << 20, "c": 32 << 20}[v]}},
-                        "device": {"device": "FAKE"}, "errors": []}
-        res["outcome"] = "ok"
-        return
-    kw = S.engine_kwargs(name)
-    res["engine_kwargs"] = kw
-    res["vllm"] = release.lstrip("v") + ("+tq.fake" if variant != "unpatched" else "")
-    unp = variant == "unpatched"
-    if unp and release == "v0.20.2" and s["model"] == "hybrid":
-        res.update(outcome="init_failed", phase="init", error={"type": "NotImplementedError", "first_line":
-                   "TurboQuant KV cache is not supported for hybrid (attention + Mamba) models. Boundary layer protection requires uniform attention layers.", "chain": []})
-        return
-    if unp and release == "v0.20.2" and s["spec"] and s["graphs"] == "default":
-        res.update(outcome="init_failed", phase="init", error={"type": "RuntimeError", "first_line":
-                   "Cannot copy between CPU and CUDA tensors during CUDA graph capture unless the CPU tensor is pinned", "chain": []})
-        return
-    if s["workload"] in ("prefix_batch", "spec_eq"):
-        fake_eq(res, name, release, variant)
-        return
-    if s["workload"] == "speed":
-        base = {"default": 1.0, "none": 0.45, "eager": 0.35}[s["graphs"]]
-        res["speed"] = {f"bs{b}": {"best_tok_per_s": round(base * (400 if b == 1 else 6000), 1), "reps": []} for b in (1, 32)}
-        res["outcome"] = "ok"
-        return
-    r = random.Random(7)
-    short = []
-    for i, p in enumerate(S.short_prompts()):
-        toks = [r.randrange(10, 4000) for _ in range(32)]
-        off = 0.02 if s["kv"] == "auto" else 0.0
-        short.append({"token_ids": toks, "logprobs": [{str(t): round(-1.0 - off - 0.001 * j, 5)} for j, t in enumerate(toks)]})
-    res["short"] = short
-    res["long"] = []
-    for req in S.long_requests(s["prefix"]):
-        row = {"label": req["label"], "ctx": req["ctx"], "prompt_len": len(req["prompt"])}
-        res["long"].append(row)
-        if unp and release in ("v0.21.0", "v0.22.0", "v0.23.0") and S.needs_continuation(name) and req["measure"]:
-            row["failed"] = True
-            res.update(outcome="run_failed", phase="long", error={"type": "AssertionError", "first_line":
-                       "Workspace is locked but allocation from 'turboquant_attn.py:747:_continuation_prefill' requires 16.00 MB, current size is 1.02 MB. Workspace growth is not allowed after locking.", "chain": []})
-            return
-        if req["measure"]:
-            grow = (req["ctx"] * 4096 * 4) if (unp and release == "v0.20.2" and S.needs_continuation(name)) else 0
-            row["mem"] = {"allocated": (900 << 20) + grow, "tq_layer_tensor_bytes": grow,
-                          "workspace_bytes": (16 << 20) if not unp else ((151 << 20) if release >= "v0.24" else 1 << 20)}
-            row["num_cached_tokens"] = req["ctx"] if s["prefix"] else 0
-    res["outcome"] = "ok"
-
-
-def fake_eq(res: dict, name: str, release: str, variant: str) -> None:
-    """ENG_FAKE for the pfx / sd workloads: the prediction of NOTES.md in the
-    real format (wrong where the fix is missing), for dry runs only."""
-    import random
-    import zlib
-
-    s = S.SCENARIOS[name]
-    fixed = variant == "patched"
-    if release == "v0.26.0" and variant == "unpatched" and s.get("runner") == "v1":
-        res.update(outcome="init_failed", phase="init", error={"type": "ValueError", "chain": [], "first_line":
-                   "Unknown TurboQuant cache dtype: 'auto'. Valid presets: turboquant_k8v4, ..."})
-        return
-    r = random.Random(zlib.crc32(f"{name}/{release}/{variant}".encode()))
-    res["weights_digest"] = "fake0000"
-
-    def out(seed: int, bad: bool, n: int) -> dict:
-        q = random.Random(seed)
-        toks = [q.randrange(10, 4000) for _ in range(n)]
-        lp = [round(-6.2 - q.random() * 0.2, 5) for _ in range(n)]
-        if bad:
-            toks = toks[:3] + [t + 1 for t in toks[3:]]
-            lp = [x - 0.3 for x in lp]
-        noise = 0.0 if s["kv"] != "auto" else 0.01
-        return {"token_ids": toks, "logprobs": [{str(t): round(v + noise, 5)} for t, v in zip(toks, lp)],
-                "num_cached_tokens": 0}
-
-    if s["workload"] == "prefix_batch":
-        res["trials"] = []
-        for t in S.pfx_trials():
-            bad = not fixed and s["kv"] != "auto"
-            a, b = out(t["seed"], False, S.PFX["max_tokens"]), out(t["seed"], bad, S.PFX["max_tokens"])
-            pl = [round(-8.3 + r.random() * 0.1, 5) for _ in range(S.PFX["tail"] - 1)]
-            a["prompt_lp"] = pl
-            b["prompt_lp"] = [x - (0.2 if bad else 0.0) for x in pl]
-            a["num_cached_tokens"] = b["num_cached_tokens"] = S.PFX["prefix"]
-            res["trials"].append({"seed": t["seed"], "alone": a, "batched": b, "fresh": out(1, False, 4),
-                                  "reset": [True, True]})
-    else:
-        bad = s["spec"] and not fixed and not (s["graphs"] != "default" and not s.get("async_scheduling"))
-        res["spec_bs1"] = [{**out(i, bad, S.SPEC_TOKENS), "s": 0.5 if s["graphs"] == "default" else 1.5}
-                           for i in range(4)]
-        res["spec_batch"] = {"s": 0.8, "outputs": [out(i, bad, S.SPEC_TOKENS) for i in range(4)]}
-        c = {"vllm:spec_decode_num_draft_tokens": 600.0, "vllm:spec_decode_num_accepted_tokens": 510.0}
-        res["spec_counters"] = {"start": {k: 0.0 for k in c}, "bs1": c, "batch": {k: 2 * v for k, v in c.items()}}
-        res["eq_speed"] = {"bs1_tok_per_s": round(1024 / sum(x["s"] for x in res["spec_bs1"]), 1),
-                           "bs4_tok_per_s": round(1024 / 0.8, 1)}
-    res["outcome"] = "ok"
+        res["speed"][f"bs{bs}"] = {
+            "reps": reps,
+            "best_tok_per_s": best,
+            "prompt_len": 32,
+            "max_tokens": 256,
+        }
 
 
 def main() -> int:
@@ -656,18 +649,31 @@ def main() -> int:
     ap.add_argument("--json", required=True)
     a = ap.parse_args()
     s = S.SCENARIOS[a.scenario]
-    RESULT.update(scenario=a.scenario, release=a.release, variant=a.variant, tree=a.tree,
-                  kind=s["kind"], doc=s.get("doc", ""), started=now(), outcome="incomplete",
-                  host=os.uname().nodename)
+    RESULT.update(
+        scenario=a.scenario,
+        release=a.release,
+        variant=a.variant,
+        tree=a.tree,
+        kind=s["kind"],
+        doc=s.get("doc", ""),
+        started=now(),
+        outcome="incomplete",
+        host=os.uname().nodename,
+    )
     if s["kind"] == "engine":
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = str(s["mp"])
         os.environ.update(S.engine_env(a.scenario))
         RESULT["env"] = S.engine_env(a.scenario)
     write(a.json)  # a crash or a timeout still leaves a record
-    if os.environ.get("ENG_FAKE"):
-        fake(RESULT, a.scenario, a.release, a.variant)
+    if os.environ.get("ENG_FAKE"):  # a dry run: fakes.py's synthetic result
+        import fakes
+
+        fakes.fake(RESULT, a.scenario, a.release, a.variant)
         write(a.json)
-        print(f"[scenario] FAKE {a.release}/{a.variant}/{a.scenario}: {RESULT.get('outcome')}", flush=True)
+        print(
+            f"[scenario] FAKE {a.release}/{a.variant}/{a.scenario}: {RESULT.get('outcome')}",
+            flush=True,
+        )
         os._exit(0)
     try:
         if a.tree:
@@ -690,9 +696,15 @@ def main() -> int:
         RESULT["outcome"] = "error"
         RESULT["error"] = err_info(e)
     write(a.json)
-    print(f"[scenario] {a.release}/{a.variant}/{a.scenario}: {RESULT.get('outcome')}"
-          + (f" -- {RESULT['error']['type']}: {RESULT['error']['first_line'][:200]}"
-             if RESULT.get("error") else ""), flush=True)
+    print(
+        f"[scenario] {a.release}/{a.variant}/{a.scenario}: {RESULT.get('outcome')}"
+        + (
+            f" -- {RESULT['error']['type']}: {RESULT['error']['first_line'][:200]}"
+            if RESULT.get("error")
+            else ""
+        ),
+        flush=True,
+    )
     sys.stdout.flush()
     # The engine may leave threads / a process group behind: exit hard.
     os._exit(0)

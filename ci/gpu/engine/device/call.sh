@@ -1,5 +1,6 @@
 #!/bin/bash
-# ONE device call of the campaign (PLAN.md), from the repository root:
+# ONE device call of the engine campaign (ci/gpu/README.md), from the
+# repository root:
 #   bash ci/gpu/engine/device/call.sh CALL [BUDGET_S]
 #   JOBS=v0.20.2:patched:m1,... bash ci/gpu/engine/device/call.sh CALL [BUDGET_S]
 # carry: [".dev/eng/CALL"] (a CALL without a carry folder only runs jobs).
