@@ -23,6 +23,10 @@
 # With --extract DIR the trees are also unpacked to DIR/<name>/ (CPU checks).
 # PACK_ONLY="tq-fix v0.21.0" keeps only those archives in .gpu/ (a smaller
 # carry for a follow-up run; the carry limit is 64 MiB with .whl).
+# PACK_RELEASES="v0.28.0 v0.29.0" adds tq33-on-<release>: the release with
+# every tq-v0.33 patch that applies there (git apply, in series order; the
+# others skipped), xz-compressed, and <tree>.tests: the Tests of the applied
+# patches (run.sh part `releases`).
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 root=$(cd "$here/../.." && pwd)
@@ -37,14 +41,15 @@ trap 'rm -rf "$work"' EXIT
 rm -f "$out"/*.tar.gz
 : > "$out/MANIFEST"
 
-pack() {  # name dir-holding-vllm
+pack() {  # name dir-holding-vllm note [ext: tar.gz (default) or tar.xz]
   # Python and data only: the Rust frontend binary and C++/CUDA sources of
   # later releases (v0.33.0: 120 MB) are never loaded from a source tree.
+  local ext=${4:-tar.gz}
   tar -C "$2" --sort=name --owner=0 --group=0 --numeric-owner --mtime=@0 \
     --exclude=__pycache__ --exclude=vllm/vllm-rs --exclude='*.h' \
     --exclude='*.hpp' --exclude='*.cuh' --exclude='*.cu' --exclude='*.cpp' \
-    --exclude='*.inl' --exclude='*.js' -czf "$out/$1.tar.gz" vllm
-  echo "$1.tar.gz $(du -k "$out/$1.tar.gz" | cut -f1) KiB: $3" | tee -a "$out/MANIFEST"
+    --exclude='*.inl' --exclude='*.js' -caf "$out/$1.$ext" vllm
+  echo "$1.$ext $(du -k "$out/$1.$ext" | cut -f1) KiB: $3" | tee -a "$out/MANIFEST"
   if [ -n "$extract" ]; then
     rm -rf "${extract:?}/$1"; mkdir -p "$extract/$1"; cp -a "$2/vllm" "$extract/$1/"
   fi
@@ -66,6 +71,20 @@ apply_stack() {  # stack dest
     (cd "$2" && git apply -p1 "$root/patches/$p") || { echo "pack.sh: $p does not apply" >&2; exit 2; }
     echo "  + $p sha256=$(sha256sum "$root/patches/$p" | cut -c1-16)" >> "$out/MANIFEST"
   done
+}
+release_tree() {  # release: tq33-on-<release> and its .tests
+  local p n=tq33-on-$1 tests=""
+  export_ref "$cache" "$1" "$work/$n"
+  for p in $(grep -E "^tq-v0.33/" "$root/series"); do
+    if (cd "$work/$n" && git apply -p1 "$root/patches/$p" 2>/dev/null); then
+      echo "  + $p" >> "$out/MANIFEST"
+      tests="$tests $(sed -n 's/^Tests: //p' "$root/patches/$p" | tr '\n' ' ')"
+    else
+      echo "  - $p (does not apply on $1)" >> "$out/MANIFEST"
+    fi
+  done
+  echo "$tests" | tr ' ' '\n' | grep . | sort -u > "$out/$n.tests"
+  pack "$n" "$work/$n" "$1 + the tq-v0.33 patches that apply (git apply)" tar.xz
 }
 
 if [ -d "$cache" ]; then
@@ -94,6 +113,7 @@ if [ -d "$cache" ]; then
     export_ref "$cache" v0.33.0 "$work/tq33-patched"
     apply_stack tq-v0.33 "$work/tq33-patched"
     pack tq33-patched "$work/tq33-patched" "v0.33.0 + series tq-v0.33 patches (git apply)"
+    for rel in ${PACK_RELEASES:-}; do release_tree "$rel"; done
   else
     echo "pack.sh: no v0.33.0 in $cache (apply.py --stack tq-v0.33 fills it); tq33 trees left out" | tee -a "$out/MANIFEST"
   fi
@@ -117,8 +137,8 @@ else
   echo "pack.sh: no dsv4 base (apply.py base --stack dsv4 with the pinned files in $fetched); dsv4 trees left out" | tee -a "$out/MANIFEST"
 fi
 if [ -n "${PACK_ONLY:-}" ]; then
-  for f in "$out"/*.tar.gz; do
-    case " $PACK_ONLY " in *" $(basename "$f" .tar.gz) "*) ;; *) rm -f "$f";; esac
+  for f in "$out"/*.tar.*; do
+    case " $PACK_ONLY " in *" $(basename "${f%.tar.*}") "*) ;; *) rm -f "$f";; esac
   done
 fi
-du -ch "$out"/*.tar.gz | tail -1
+du -ch "$out"/*.tar.* | tail -1

@@ -14,7 +14,9 @@
 # decode (issue 28: tq_decode_bench.py with its sweep on tq33-patched, then
 # the grouped decode's tests there), noflash (issue 27: the continuation
 # bench without flash-attn on tq33-base and tq33-patched, and the TurboQuant
-# tests on tq33-patched); default the first three. DEADLINE_S (default
+# tests on tq33-patched), releases (tq-v0.33 on older releases: the tests of
+# the patches that apply there, trees tq33-on-<release> from pack.sh's
+# PACK_RELEASES); default the first three. DEADLINE_S (default
 # 570): every part gets what is left of it, so the summary is always written. Results go to $OUT
 # (tq_cudagraph.json, tq_continuation_bench.json, tests.json, tables.md,
 # logs.tar.gz, run.log); the summary tables are printed last.
@@ -53,8 +55,9 @@ echo "== $(date -u +%FT%TZ) $(nvidia-smi --query-gpu=name,driver_version,memory.
 $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
   --target /tmp/site .whl/*.whl || exit 2
 export PYTHONPATH=/tmp/site
-for f in .gpu/*.tar.gz; do
-  n=$(basename "$f" .tar.gz); mkdir -p "$T/$n"; tar -xzf "$f" -C "$T/$n"
+for f in .gpu/*.tar.gz .gpu/*.tar.xz; do
+  [ -e "$f" ] || continue
+  n=$(basename "${f%.tar.*}"); mkdir -p "$T/$n"; tar -xf "$f" -C "$T/$n"
 done
 cp .gpu/MANIFEST "$W/" 2>/dev/null
 ls "$T"
@@ -157,6 +160,26 @@ if has fix; then
   fi
 fi
 
+if has releases; then
+  # tq-v0.33 on older releases (pack.sh PACK_RELEASES): each tree's tests,
+  # the Tests of the patches that apply there (.gpu/<tree>.tests), on CUDA.
+  # RELEASES_CPU=1: on the CPU instead (Triton's interpreter, as CI runs
+  # them; the trees of v0.28.0-v0.31.0 import vllm._C_stable_libtorch on
+  # CUDA, which a source tree lacks), all trees at once, -v so a tree cut
+  # off by the deadline still shows each test it ran.
+  pids=()
+  for f in .gpu/tq33-on-*.tests; do
+    n=$(basename "$f" .tests)
+    if [ "${RELEASES_CPU:-0}" = 1 ]; then
+      CUDA_VISIBLE_DEVICES= PT_CAP=9999 BASE_TREE= pt "$n" "$n" -v $(cat "$f") &
+      pids+=($!)
+    else
+      PT_CAP=150 BASE_TREE= pt "$n" "$n" $(cat "$f")
+    fi
+  done
+  # Not a bare `wait`: it would wait for the tee of the log as well.
+  [ ${#pids[@]} -eq 0 ] || wait "${pids[@]}"
+fi
 if has uq; then
   # UltraQuant (ROCm's backend; its Triton kernels run on CUDA too, FlyDSL
   # does not): a full graph captured on the runner's dummy metadata and
