@@ -16,7 +16,8 @@
 # bench without flash-attn on tq33-base and tq33-patched, and the TurboQuant
 # tests on tq33-patched), releases (tq-v0.33 on older releases: the tests of
 # the patches that apply there, trees tq33-on-<release> from pack.sh's
-# PACK_RELEASES); default the first three. DEADLINE_S (default
+# PACK_RELEASES), variants (issue 28: stage-1 variants of the grouped
+# decode from ci/gpu/variants/, swept side by side); default the first three. DEADLINE_S (default
 # 570): every part gets what is left of it, so the summary is always written. Results go to $OUT
 # (tq_cudagraph.json, tq_continuation_bench.json, tests.json, tables.md,
 # logs.tar.gz, run.log); the summary tables are printed last.
@@ -202,6 +203,26 @@ if has decode; then
   BASE_TREE= pt tq33_decode tq33-patched tests/patches/test_tq_grouped_decode.py \
     tests/patches/test_tq_batches.py tests/patches/test_tq_host_metadata.py
   cat "$OUT/decode/tq_decode_table.md" 2>/dev/null
+fi
+
+if has variants; then
+  # Stage-1 variants of the grouped decode (ci/gpu/variants/NAME.py, each a
+  # whole triton_turboquant_grouped_decode.py): tree tq33-var-NAME is
+  # tq33-patched with it; each tree, tq33-patched first, gets the bench's
+  # sweep on VAR_CELLS (its own v0.33.0 and FA2 columns, same GPU).
+  command -v ncu || ls /usr/local/cuda*/bin/ncu 2>/dev/null || echo "no ncu"
+  for v in ci/gpu/variants/*.py; do
+    n=tq33-var-$(basename "$v" .py); rm -rf "${T:?}/$n"; cp -a $T/tq33-patched $T/$n
+    cp "$v" $T/$n/vllm/v1/attention/ops/triton_turboquant_grouped_decode.py
+  done
+  for t in tq33-patched $(cd $T && ls -d tq33-var-* 2>/dev/null); do
+    run vbench_$t ${VAR_CAP:-170} $PY ci/gpu/tq_decode_bench.py --tree $T/$t \
+      --out "$OUT/variants/$t" --sweep --deadline $(( ${VAR_CAP:-170} - 15 )) \
+      --cells "${VAR_CELLS:-1x131072,8x32768,32x32768,32x131072,128x32768}" \
+      --kernels "${VAR_KERNELS:-64,4,1;64,8,1;32,4,1;128,8,1;32,4,2;64,8,2}" \
+      --ppsm "${VAR_PPSM:-8}"
+    echo "## $t"; cat "$OUT/variants/$t/tq_decode_table.md" 2>/dev/null
+  done
 fi
 
 $PY ci/gpu/summarize.py --work "$W" --out "$OUT" > "$W/summary.log" 2>&1 || tail -n 30 "$W/summary.log"

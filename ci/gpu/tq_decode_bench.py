@@ -82,12 +82,26 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--deadline", type=float, default=0, help="seconds (420)")
     ap.add_argument("--small", action="store_true", help="CPU sanity shapes")
+    ap.add_argument("--cells", help="BxL,... instead of all (e.g. 32x32768)")
+    ap.add_argument("--kernels", help="sweep points BLOCK_KV,warps,stages;...")
+    ap.add_argument("--ppsm", help="sweep's programs per SM, comma list")
     args = ap.parse_args()
     if args.small:
         HQ, HK, D = 4, 1, 64
         BATCHES, LENS, REPS, CHECK_CACHED = (1, 2), (48, 160), 2, [40, 3, 130]
         SWEEP_CELLS, SWEEP_KERNELS, SWEEP_PPSM = ((2, 160),), ((16, 4), (8, 2)), (4,)
         FLUSH_BYTES = 1 << 20
+    if args.kernels:
+        SWEEP_KERNELS = tuple(
+            tuple(int(x) for x in k.split(",")) for k in args.kernels.split(";")
+        )
+    if args.ppsm:
+        SWEEP_PPSM = tuple(int(x) for x in args.ppsm.split(","))
+    args.cells = (
+        [tuple(int(x) for x in c.split("x")) for c in args.cells.split(",")]
+        if args.cells
+        else None
+    )
     args.deadline = args.deadline or (1800 if args.small else 420)
     return args
 
@@ -477,6 +491,8 @@ def fitting_cells(preset: str) -> tuple[list, int]:
 
 def run_preset(env, preset: str, args, flush, res: dict) -> None:
     cells, fa_tokens = fitting_cells(preset)
+    if args.cells:
+        cells = [c for c in cells if c in args.cells]
     t0 = time.time()
     res["checks"][preset] = check(env, preset)
     print(f"[{preset}] check {res['checks'][preset]}", flush=True)
