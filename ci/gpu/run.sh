@@ -17,7 +17,8 @@
 # tests on tq33-patched), releases (tq-v0.33 on older releases: the tests of
 # the patches that apply there, trees tq33-on-<release> from pack.sh's
 # PACK_RELEASES), variants (issue 28: stage-1 variants of the grouped
-# decode from ci/gpu/variants/, swept side by side); default the first three. DEADLINE_S (default
+# decode from ci/gpu/variants/, swept side by side), profile (ncu on the
+# grouped decode's stage 1); default the first three. DEADLINE_S (default
 # 570): every part gets what is left of it, so the summary is always written. Results go to $OUT
 # (tq_cudagraph.json, tq_continuation_bench.json, tests.json, tables.md,
 # logs.tar.gz, run.log); the summary tables are printed last.
@@ -222,6 +223,27 @@ if has variants; then
       --kernels "${VAR_KERNELS:-64,4,1;64,8,1;32,4,1;128,8,1;32,4,2;64,8,2}" \
       --ppsm "${VAR_PPSM:-8}"
     echo "## $t"; cat "$OUT/variants/$t/tq_decode_table.md" 2>/dev/null
+  done
+fi
+
+if has profile; then
+  # ncu on one grouped-decode stage 1 per preset (PROF_TREES, default
+  # tq33-patched; PROF_CELL 32x32768): the full set's report in $OUT/profile,
+  # its details page printed in part.
+  mkdir -p "$OUT/profile"
+  NCU=$(command -v ncu || echo /usr/local/cuda/bin/ncu)
+  for t in ${PROF_TREES:-tq33-patched}; do
+    for p in turboquant_4bit_nc turboquant_k8v4; do
+      n=prof_${t}_${p#turboquant_}
+      run $n ${PROF_CAP:-120} $NCU -k regex:_tq_grouped_decode_stage1 -s 1 -c 1 \
+        --set full --import-source no -f -o "$OUT/profile/$n" \
+        $PY ci/gpu/tq_decode_profile.py --tree $T/$t --preset $p \
+        --cell "${PROF_CELL:-32x32768}"
+      $NCU --import "$OUT/profile/$n.ncu-rep" --page details --print-details all \
+        > "$OUT/profile/$n.txt" 2>&1
+      grep -E "Duration|Memory Throughput|DRAM Throughput|Registers Per|Achieved Occupancy|Theoretical Occupancy|Block Limit|Issue Slots Busy|Executed Ipc A|No Eligible|Active Warps Per|Eligible Warps|Warp Cycles Per Issued|L1/TEX Hit|L2 Hit|Local|Stall|stall" \
+        "$OUT/profile/$n.txt" | head -60
+    done
   done
 fi
 

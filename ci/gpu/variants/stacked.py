@@ -36,6 +36,8 @@ _BLOCK_KV: int | None = None
 _NUM_WARPS: int | None = None
 _NUM_STAGES: int | None = None
 _PROGRAMS_PER_SM = 8
+# Registers per thread of stage 1 (ptxas's cap), None: ptxas's choice.
+_MAXNREG: int | None = None
 # Splits merged per step of stage 2.
 _BLOCK_SPLITS = 16
 
@@ -117,7 +119,7 @@ def _tq_grouped_decode_stage1(
     num_splits,  # not constexpr: one compile for every batch size
     HEAD_DIM: tl.constexpr,  # a power of two
     KV_GROUP_SIZE: tl.constexpr,  # Hq // Hk
-    BLOCK_H: tl.constexpr,  # KV_GROUP_SIZE padded to the MMA's 16 rows
+    BLOCK_H: tl.constexpr,  # KV_GROUP_SIZE padded to 8 (2 * 8: the MMA's 16 rows)
     BLOCK_SIZE: tl.constexpr,  # tokens per KV cache block
     BLOCK_KV: tl.constexpr,
     SLOT_ALIGN: tl.constexpr,  # bytes every slot start is a multiple of
@@ -149,31 +151,32 @@ def _tq_grouped_decode_stage1(
     if split_start >= split_end:
         return
 
-    # Transposed products, the token tile as the MMA's M side and the group's
-    # query heads as its N side: S^T = K Q^T and O^T = V^T P^T. The query and
-    # P^T (N = BLOCK_H columns) are the small operands; nothing of the query
-    # is replicated in every warp's registers.
+    # The MMA's 2 * BLOCK_H rows hold the fp16 high parts of the group's
+    # query heads (rows h) and their low parts (rows BLOCK_H + h): one
+    # product gives both, summed after (_unstack); the same for p x scale.
     offs_h = tl.arange(0, BLOCK_H)
     h_mask = offs_h < KV_GROUP_SIZE
     heads = kv_head * KV_GROUP_SIZE + offs_h
+    offs_r = tl.arange(0, 2 * BLOCK_H)
+    r_head = offs_r % BLOCK_H
+    r_lo = (offs_r >= BLOCK_H)[:, None]
+    r_mask = (r_head < KV_GROUP_SIZE)[:, None]
     offs_j = tl.arange(0, HALF)
-    q_cols = Q_ptr + bid * stride_qb + heads[None, :] * stride_qh
+    q_rows = Q_ptr + bid * stride_qb + (kv_head * KV_GROUP_SIZE + r_head)[:, None] * stride_qh
     if KEY_FP8:
         offs_d = tl.arange(0, HEAD_DIM)
-        q = tl.load(q_cols + offs_d[:, None], mask=h_mask[None, :], other=0.0)
-        q, q_lo = _split_fp16(q.to(tl.float32) * QK_SCALE)
+        q = tl.load(q_rows + offs_d[None, :], mask=r_mask, other=0.0)
+        q = _stack_fp16(q.to(tl.float32) * QK_SCALE, r_lo)
     else:
-        q_even = tl.load(q_cols + 2 * offs_j[:, None], mask=h_mask[None, :], other=0.0)
-        q_even, q_even_lo = _split_fp16(q_even * QK_SCALE)
-        q_odd = tl.load(
-            q_cols + 2 * offs_j[:, None] + 1, mask=h_mask[None, :], other=0.0
-        )
-        q_odd, q_odd_lo = _split_fp16(q_odd * QK_SCALE)
+        q_even = tl.load(q_rows + 2 * offs_j[None, :], mask=r_mask, other=0.0)
+        q_even = _stack_fp16(q_even * QK_SCALE, r_lo)
+        q_odd = tl.load(q_rows + 2 * offs_j[None, :] + 1, mask=r_mask, other=0.0)
+        q_odd = _stack_fp16(q_odd * QK_SCALE, r_lo)
 
     m_i = tl.full([BLOCK_H], -float("inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
-    acc_even = tl.zeros([HALF, BLOCK_H], dtype=tl.float32)
-    acc_odd = tl.zeros([HALF, BLOCK_H], dtype=tl.float32)
+    acc_even = tl.zeros([2 * BLOCK_H, HALF], dtype=tl.float32)
+    acc_odd = tl.zeros([2 * BLOCK_H, HALF], dtype=tl.float32)
     acc_zero = tl.zeros([BLOCK_H], dtype=tl.float32)
 
     offs_n = tl.arange(0, BLOCK_KV)
@@ -200,8 +203,7 @@ def _tq_grouped_decode_stage1(
                 k = k.to(tl.float8e4b15, bitcast=True).to(tl.float16)
             else:
                 k = k.to(tl.float8e4nv, bitcast=True).to(tl.float16)
-            qk = tl.dot(k, q)
-            qk = tl.dot(k, q_lo, qk)
+            qk = _unstack(tl.dot(q, tl.trans(k)), BLOCK_H)
         else:
             kb = tl.load(
                 KV_cache_ptr + slots[:, None] + offs_j[None, :],
@@ -216,46 +218,70 @@ def _tq_grouped_decode_stage1(
                 k_scale = k_scale / tl.sqrt(c_norm_sq + 1e-16)
             ce_hi, ce_lo = _split_fp16(c_even)
             co_hi, co_lo = _split_fp16(c_odd)
-            qk = tl.dot(ce_hi, q_even)
-            qk = tl.dot(co_hi, q_odd, qk)
-            qk = tl.dot(ce_hi, q_even_lo, qk)
-            qk = tl.dot(co_hi, q_odd_lo, qk)
-            qk = tl.dot(ce_lo, q_even, qk)
-            qk = tl.dot(co_lo, q_odd, qk)
-            qk = qk * k_scale[:, None]
-        qk = tl.where(tok_mask[:, None], qk, -float("inf"))
+            qk = tl.dot(q_even, tl.trans(ce_hi))
+            qk = tl.dot(q_odd, tl.trans(co_hi), qk)
+            qk = tl.dot(q_even, tl.trans(ce_lo), qk)
+            qk = tl.dot(q_odd, tl.trans(co_lo), qk)
+            qk = _unstack(qk, BLOCK_H) * k_scale[None, :]
+        qk = tl.where(tok_mask[None, :], qk, -float("inf"))
 
-        m_new = tl.maximum(m_i, tl.max(qk, axis=0))
+        m_new = tl.maximum(m_i, tl.max(qk, axis=1))
         alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(qk - m_new[None, :])
-        l_i = l_i * alpha + tl.sum(p, axis=0)
+        p = tl.exp2(qk - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
         m_i = m_new
 
-        # Values: sum_t p * (code * scale + zero), the zero term apart; the
-        # value bytes loaded as a [D / 2, tokens] tile.
+        # Values: sum_t p * (code * scale + zero), the zero term apart.
         vals = slots + KPS
         vb = tl.load(
-            KV_cache_ptr + vals[None, :] + offs_j[:, None],
-            mask=tok_mask[None, :],
+            KV_cache_ptr + vals[:, None] + offs_j[None, :],
+            mask=tok_mask[:, None],
             other=0,
         ).to(tl.int32)
         v_scale = _load_fp16(KV_cache_ptr, vals + VAL_DATA_BYTES, tok_mask)
         v_zero = _load_fp16(KV_cache_ptr, vals + VAL_DATA_BYTES + 2, tok_mask)
-        pv_hi, pv_lo = _split_fp16(p * v_scale[:, None])
-        v_even = (vb & 0xF).to(tl.float16)
-        v_odd = (vb >> 4).to(tl.float16)
-        acc_even = tl.dot(v_even, pv_hi, acc_even * alpha[None, :])
-        acc_even = tl.dot(v_even, pv_lo, acc_even)
-        acc_odd = tl.dot(v_odd, pv_hi, acc_odd * alpha[None, :])
-        acc_odd = tl.dot(v_odd, pv_lo, acc_odd)
-        acc_zero = acc_zero * alpha + tl.sum(p * v_zero[:, None], axis=0)
+        pv = _restack_fp16(p * v_scale[None, :], BLOCK_H, BLOCK_KV)
+        alpha2 = _restack(alpha, BLOCK_H)[:, None]
+        acc_even = tl.dot(pv, (vb & 0xF).to(tl.float16), acc_even * alpha2)
+        acc_odd = tl.dot(pv, (vb >> 4).to(tl.float16), acc_odd * alpha2)
+        acc_zero = acc_zero * alpha + tl.sum(p * v_zero[None, :], axis=1)
 
     row = (bid * (KV_GROUP_SIZE * tl.num_programs(1)) + heads) * num_splits + sid
-    o_cols = Mid_o_ptr + row.to(tl.int64)[None, :] * HEAD_DIM + 2 * offs_j[:, None]
-    zero = acc_zero[None, :]
-    tl.store(o_cols, (acc_even + zero) / l_i[None, :], mask=h_mask[None, :])
-    tl.store(o_cols + 1, (acc_odd + zero) / l_i[None, :], mask=h_mask[None, :])
+    o_rows = Mid_o_ptr + row.to(tl.int64)[:, None] * HEAD_DIM + 2 * offs_j[None, :]
+    zero = acc_zero[:, None]
+    out_even = _unstack(acc_even, BLOCK_H)
+    out_odd = _unstack(acc_odd, BLOCK_H)
+    tl.store(o_rows, (out_even + zero) / l_i[:, None], mask=h_mask[:, None])
+    tl.store(o_rows + 1, (out_odd + zero) / l_i[:, None], mask=h_mask[:, None])
     tl.store(Mid_lse_ptr + row, m_i + tl.log2(l_i), mask=h_mask)
+
+
+@triton.jit
+def _stack_fp16(x, r_lo):
+    """fp32 rows [2 * BLOCK_H, N] (each head twice) as fp16: rows h its high
+    part, rows BLOCK_H + h its low part."""
+    hi = x.to(tl.float16)
+    return tl.where(r_lo, (x - hi.to(tl.float32)).to(tl.float16), hi)
+
+
+@triton.jit
+def _unstack(x, BLOCK_H: tl.constexpr):
+    """[2 * BLOCK_H, N] -> [BLOCK_H, N]: rows h and BLOCK_H + h summed."""
+    return tl.sum(tl.reshape(x, [2, BLOCK_H, x.shape[1]]), axis=0)
+
+
+@triton.jit
+def _restack(x, BLOCK_H: tl.constexpr):
+    """[BLOCK_H] -> [2 * BLOCK_H], each row twice (h and BLOCK_H + h)."""
+    return tl.reshape(tl.permute(tl.join(x, x), (1, 0)), [2 * BLOCK_H])
+
+
+@triton.jit
+def _restack_fp16(x, BLOCK_H: tl.constexpr, N: tl.constexpr):
+    """fp32 [BLOCK_H, N] -> fp16 [2 * BLOCK_H, N]: high parts, low parts."""
+    hi = x.to(tl.float16)
+    lo = (x - hi.to(tl.float32)).to(tl.float16)
+    return tl.reshape(tl.permute(tl.join(hi, lo), (2, 0, 1)), [2 * BLOCK_H, N])
 
 
 @triton.jit
@@ -404,7 +430,7 @@ def triton_turboquant_grouped_decode_attention(
         S,
         HEAD_DIM=D,
         KV_GROUP_SIZE=group,
-        BLOCK_H=max(16, triton.next_power_of_2(group)),
+        BLOCK_H=max(8, triton.next_power_of_2(group)),
         BLOCK_SIZE=kv_cache.shape[1],
         BLOCK_KV=block_kv,
         SLOT_ALIGN=slot_align,
@@ -417,6 +443,7 @@ def triton_turboquant_grouped_decode_attention(
         FP8_E4B15=_use_fp8_e4b15(device.index or 0),
         num_warps=warps,
         num_stages=stages,
+        **({'maxnreg': _MAXNREG} if _MAXNREG and query.is_cuda else {}),
     )
     _tq_grouped_decode_stage2[(B, Hq)](
         mid_o,

@@ -36,6 +36,8 @@ _BLOCK_KV: int | None = None
 _NUM_WARPS: int | None = None
 _NUM_STAGES: int | None = None
 _PROGRAMS_PER_SM = 8
+# Registers per thread of stage 1 (ptxas's cap), None: ptxas's choice.
+_MAXNREG: int | None = 168
 # Splits merged per step of stage 2.
 _BLOCK_SPLITS = 16
 
@@ -86,10 +88,10 @@ def _config(key_fp8: bool) -> tuple[int, int, int]:
 
 
 @triton.jit
-def _load_fp16(Words_ptr, words, mask):
-    """fp16 fields at 16-bit word offsets ``words``, as fp32."""
-    x = tl.load(Words_ptr + words, mask=mask, other=0)
-    return x.to(tl.float16, bitcast=True).to(tl.float32)
+def _load_fp16(Cache_ptr, addrs, mask):
+    lo = tl.load(Cache_ptr + addrs, mask=mask, other=0).to(tl.uint16)
+    hi = tl.load(Cache_ptr + addrs + 1, mask=mask, other=0).to(tl.uint16)
+    return (lo | (hi << 8)).to(tl.float16, bitcast=True).to(tl.float32)
 
 
 @triton.jit
@@ -97,43 +99,6 @@ def _split_fp16(x):
     """fp32 ``x`` as fp16 high and low parts (x = hi + lo to about 2**-22)."""
     hi = x.to(tl.float16)
     return hi, (x - hi.to(tl.float32)).to(tl.float16)
-
-
-@triton.jit
-def _load_q(q_cols, dims, h_mask, QK_SCALE: tl.constexpr):
-    """Query dims ``dims`` [N] of the group's heads as [N, BLOCK_H] fp16 high
-    and low parts, scaled for exp2."""
-    q = tl.load(q_cols + dims[:, None], mask=h_mask[None, :], other=0.0)
-    return _split_fp16(q.to(tl.float32) * QK_SCALE)
-
-
-@triton.jit
-def _mse_scores(kw, SHIFT: tl.constexpr, Centroids_ptr, q_hi, q_lo, qk, c_sq):
-    """Add the scores of the dims in nibble ``SHIFT / 4`` of the key words
-    ``kw`` [BLOCK_KV, D / 4] against the query's same dims [D / 4, BLOCK_H]
-    to ``qk`` [BLOCK_KV, BLOCK_H]; their squared centroids to ``c_sq``."""
-    c = tl.load(Centroids_ptr + ((kw >> SHIFT) & 0xF))
-    c_sq += tl.sum(c * c, axis=1)
-    c_hi, c_lo = _split_fp16(c)
-    qk = tl.dot(c_hi, q_hi, qk)
-    qk = tl.dot(c_hi, q_lo, qk)
-    qk = tl.dot(c_lo, q_hi, qk)
-    return qk, c_sq
-
-
-@triton.jit
-def _pv(vw, SHIFT: tl.constexpr, pv_hi, pv_lo, acc, alpha):
-    """O^T += V^T P^T for the dims in nibble ``SHIFT / 4`` of the value words
-    ``vw`` [D / 4, BLOCK_KV] (codes, exact in fp16)."""
-    v = ((vw >> SHIFT) & 0xF).to(tl.float16)
-    acc = tl.dot(v, pv_hi, acc * alpha[None, :])
-    return tl.dot(v, pv_lo, acc)
-
-
-@triton.jit
-def _store_o(Mid_o_ptr, row, dims, acc, zero, l_i, h_mask, HEAD_DIM: tl.constexpr):
-    ptrs = Mid_o_ptr + row.to(tl.int64)[None, :] * HEAD_DIM + dims[:, None]
-    tl.store(ptrs, (acc + zero[None, :]) / l_i[None, :], mask=h_mask[None, :])
 
 
 @triton.jit
@@ -154,10 +119,10 @@ def _tq_grouped_decode_stage1(
     num_splits,  # not constexpr: one compile for every batch size
     HEAD_DIM: tl.constexpr,  # a power of two
     KV_GROUP_SIZE: tl.constexpr,  # Hq // Hk
-    BLOCK_H: tl.constexpr,  # KV_GROUP_SIZE padded to the MMA's 16 columns
+    BLOCK_H: tl.constexpr,  # KV_GROUP_SIZE padded to the MMA's 16 rows
     BLOCK_SIZE: tl.constexpr,  # tokens per KV cache block
     BLOCK_KV: tl.constexpr,
-    SLOT_ALIGN: tl.constexpr,  # bytes every slot start is a multiple of (>= 2)
+    SLOT_ALIGN: tl.constexpr,  # bytes every slot start is a multiple of
     KEY_FP8: tl.constexpr,
     MSE_BYTES: tl.constexpr,
     KPS: tl.constexpr,  # key packed size (value field offset)
@@ -167,16 +132,14 @@ def _tq_grouped_decode_stage1(
     FP8_E4B15: tl.constexpr,
 ):
     """Stage 1 for 4-bit values with FP8 or 4-bit MSE keys, on the tensor
-    cores, as transposed products: the token tile is the MMA's M side and the
-    group's query heads its N side (S^T = K Q^T, O^T = V^T P^T), so the query
-    and P^T are the small operands. 4-bit fields are read as 16-bit words,
-    word m holding dims 4m .. 4m + 3 (nibble i is dim 4m + i): each nibble is
-    a [tokens, D / 4] (keys) or [D / 4, tokens] (values) operand, four
-    products per field. MMA operands are fp16 with fp32 accumulation: FP8 keys
-    and 4-bit value codes are exact in fp16; the query, the centroids and
-    p x scale are split into high and low parts (fp16 alone is up to twice
-    v0.33.0's fp32 error)."""
-    QUART: tl.constexpr = HEAD_DIM // 4
+    cores. A byte of 4-bit indices holds dims 2j (low nibble) and 2j + 1
+    (high): each byte is loaded once into a [BLOCK_KV, D / 2] tile and its
+    nibbles are the two halves of the product, against the query's even and
+    odd dims (QK) and into the output's even and odd dims (PV). MMA operands
+    are fp16 with fp32 accumulation: FP8 keys and 4-bit value codes are exact
+    in fp16; the query, the centroids and p x scale are split into high and
+    low parts (fp16 alone is up to twice v0.33.0's fp32 error)."""
+    HALF: tl.constexpr = HEAD_DIM // 2
     bid = tl.program_id(0)
     kv_head = tl.program_id(1)
     sid = tl.program_id(2)
@@ -188,27 +151,27 @@ def _tq_grouped_decode_stage1(
     if split_start >= split_end:
         return
 
-    words_ptr = KV_cache_ptr.to(tl.pointer_type(tl.uint16))
     offs_h = tl.arange(0, BLOCK_H)
     h_mask = offs_h < KV_GROUP_SIZE
     heads = kv_head * KV_GROUP_SIZE + offs_h
-    offs_w = tl.arange(0, QUART)
-    q_cols = Q_ptr + bid * stride_qb + heads[None, :] * stride_qh
+    offs_j = tl.arange(0, HALF)
+    q_rows = Q_ptr + bid * stride_qb + heads[:, None] * stride_qh
     if KEY_FP8:
         offs_d = tl.arange(0, HEAD_DIM)
-        q0_hi, q0_lo = _load_q(q_cols, offs_d, h_mask, QK_SCALE)
+        q = tl.load(q_rows + offs_d[None, :], mask=h_mask[:, None], other=0.0)
+        q, q_lo = _split_fp16(q.to(tl.float32) * QK_SCALE)
     else:
-        q0_hi, q0_lo = _load_q(q_cols, 4 * offs_w, h_mask, QK_SCALE)
-        q1_hi, q1_lo = _load_q(q_cols, 4 * offs_w + 1, h_mask, QK_SCALE)
-        q2_hi, q2_lo = _load_q(q_cols, 4 * offs_w + 2, h_mask, QK_SCALE)
-        q3_hi, q3_lo = _load_q(q_cols, 4 * offs_w + 3, h_mask, QK_SCALE)
+        q_even = tl.load(q_rows + 2 * offs_j[None, :], mask=h_mask[:, None], other=0.0)
+        q_even, q_even_lo = _split_fp16(q_even * QK_SCALE)
+        q_odd = tl.load(
+            q_rows + 2 * offs_j[None, :] + 1, mask=h_mask[:, None], other=0.0
+        )
+        q_odd, q_odd_lo = _split_fp16(q_odd * QK_SCALE)
 
     m_i = tl.full([BLOCK_H], -float("inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
-    acc0 = tl.zeros([QUART, BLOCK_H], dtype=tl.float32)
-    acc1 = tl.zeros([QUART, BLOCK_H], dtype=tl.float32)
-    acc2 = tl.zeros([QUART, BLOCK_H], dtype=tl.float32)
-    acc3 = tl.zeros([QUART, BLOCK_H], dtype=tl.float32)
+    acc_even = tl.zeros([BLOCK_H, HALF], dtype=tl.float32)
+    acc_odd = tl.zeros([BLOCK_H, HALF], dtype=tl.float32)
     acc_zero = tl.zeros([BLOCK_H], dtype=tl.float32)
 
     offs_n = tl.arange(0, BLOCK_KV)
@@ -224,7 +187,6 @@ def _tq_grouped_decode_stage1(
             + head_off
         )
         slots = tl.multiple_of(slots, SLOT_ALIGN)
-        words = slots // 2
 
         if KEY_FP8:
             k = tl.load(
@@ -236,54 +198,60 @@ def _tq_grouped_decode_stage1(
                 k = k.to(tl.float8e4b15, bitcast=True).to(tl.float16)
             else:
                 k = k.to(tl.float8e4nv, bitcast=True).to(tl.float16)
-            qk = tl.dot(k, q0_hi)
-            qk = tl.dot(k, q0_lo, qk)
+            qk = tl.dot(q, tl.trans(k))
+            qk = tl.dot(q_lo, tl.trans(k), qk)
         else:
-            kw = tl.load(
-                words_ptr + words[:, None] + offs_w[None, :],
+            kb = tl.load(
+                KV_cache_ptr + slots[:, None] + offs_j[None, :],
                 mask=tok_mask[:, None],
                 other=0,
             ).to(tl.int32)
-            qk = tl.zeros([BLOCK_KV, BLOCK_H], dtype=tl.float32)
-            c_sq = tl.zeros([BLOCK_KV], dtype=tl.float32)
-            qk, c_sq = _mse_scores(kw, 0, Centroids_ptr, q0_hi, q0_lo, qk, c_sq)
-            qk, c_sq = _mse_scores(kw, 4, Centroids_ptr, q1_hi, q1_lo, qk, c_sq)
-            qk, c_sq = _mse_scores(kw, 8, Centroids_ptr, q2_hi, q2_lo, qk, c_sq)
-            qk, c_sq = _mse_scores(kw, 12, Centroids_ptr, q3_hi, q3_lo, qk, c_sq)
-            k_scale = _load_fp16(words_ptr, words + MSE_BYTES // 2, tok_mask)
+            c_even = tl.load(Centroids_ptr + (kb & 0xF))
+            c_odd = tl.load(Centroids_ptr + (kb >> 4))
+            k_scale = _load_fp16(KV_cache_ptr, slots + MSE_BYTES, tok_mask)
             if NORM_CORRECTION:
-                k_scale = k_scale / tl.sqrt(c_sq + 1e-16)
-            qk = qk * k_scale[:, None]
-        qk = tl.where(tok_mask[:, None], qk, -float("inf"))
+                c_norm_sq = tl.sum(c_even * c_even + c_odd * c_odd, axis=1)
+                k_scale = k_scale / tl.sqrt(c_norm_sq + 1e-16)
+            ce_hi, ce_lo = _split_fp16(c_even)
+            co_hi, co_lo = _split_fp16(c_odd)
+            qk = tl.dot(q_even, tl.trans(ce_hi))
+            qk = tl.dot(q_odd, tl.trans(co_hi), qk)
+            qk = tl.dot(q_even_lo, tl.trans(ce_hi), qk)
+            qk = tl.dot(q_odd_lo, tl.trans(co_hi), qk)
+            qk = tl.dot(q_even, tl.trans(ce_lo), qk)
+            qk = tl.dot(q_odd, tl.trans(co_lo), qk)
+            qk = qk * k_scale[None, :]
+        qk = tl.where(tok_mask[None, :], qk, -float("inf"))
 
-        m_new = tl.maximum(m_i, tl.max(qk, axis=0))
+        m_new = tl.maximum(m_i, tl.max(qk, axis=1))
         alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(qk - m_new[None, :])
-        l_i = l_i * alpha + tl.sum(p, axis=0)
+        p = tl.exp2(qk - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
         m_i = m_new
 
         # Values: sum_t p * (code * scale + zero), the zero term apart.
-        vals = words + KPS // 2
-        vw = tl.load(
-            words_ptr + vals[None, :] + offs_w[:, None],
-            mask=tok_mask[None, :],
+        vals = slots + KPS
+        vb = tl.load(
+            KV_cache_ptr + vals[:, None] + offs_j[None, :],
+            mask=tok_mask[:, None],
             other=0,
         ).to(tl.int32)
-        v_scale = _load_fp16(words_ptr, vals + VAL_DATA_BYTES // 2, tok_mask)
-        v_zero = _load_fp16(words_ptr, vals + VAL_DATA_BYTES // 2 + 1, tok_mask)
-        pv_hi, pv_lo = _split_fp16(p * v_scale[:, None])
-        acc0 = _pv(vw, 0, pv_hi, pv_lo, acc0, alpha)
-        acc1 = _pv(vw, 4, pv_hi, pv_lo, acc1, alpha)
-        acc2 = _pv(vw, 8, pv_hi, pv_lo, acc2, alpha)
-        acc3 = _pv(vw, 12, pv_hi, pv_lo, acc3, alpha)
-        acc_zero = acc_zero * alpha + tl.sum(p * v_zero[:, None], axis=0)
+        v_scale = _load_fp16(KV_cache_ptr, vals + VAL_DATA_BYTES, tok_mask)
+        v_zero = _load_fp16(KV_cache_ptr, vals + VAL_DATA_BYTES + 2, tok_mask)
+        pv_hi, pv_lo = _split_fp16(p * v_scale[None, :])
+        v_even = (vb & 0xF).to(tl.float16)
+        v_odd = (vb >> 4).to(tl.float16)
+        acc_even = tl.dot(pv_hi, v_even, acc_even * alpha[:, None])
+        acc_even = tl.dot(pv_lo, v_even, acc_even)
+        acc_odd = tl.dot(pv_hi, v_odd, acc_odd * alpha[:, None])
+        acc_odd = tl.dot(pv_lo, v_odd, acc_odd)
+        acc_zero = acc_zero * alpha + tl.sum(p * v_zero[None, :], axis=1)
 
     row = (bid * (KV_GROUP_SIZE * tl.num_programs(1)) + heads) * num_splits + sid
-    dims = 4 * offs_w
-    _store_o(Mid_o_ptr, row, dims, acc0, acc_zero, l_i, h_mask, HEAD_DIM)
-    _store_o(Mid_o_ptr, row, dims + 1, acc1, acc_zero, l_i, h_mask, HEAD_DIM)
-    _store_o(Mid_o_ptr, row, dims + 2, acc2, acc_zero, l_i, h_mask, HEAD_DIM)
-    _store_o(Mid_o_ptr, row, dims + 3, acc3, acc_zero, l_i, h_mask, HEAD_DIM)
+    o_rows = Mid_o_ptr + row.to(tl.int64)[:, None] * HEAD_DIM + 2 * offs_j[None, :]
+    zero = acc_zero[:, None]
+    tl.store(o_rows, (acc_even + zero) / l_i[:, None], mask=h_mask[:, None])
+    tl.store(o_rows + 1, (acc_odd + zero) / l_i[:, None], mask=h_mask[:, None])
     tl.store(Mid_lse_ptr + row, m_i + tl.log2(l_i), mask=h_mask)
 
 
@@ -446,6 +414,7 @@ def triton_turboquant_grouped_decode_attention(
         FP8_E4B15=_use_fp8_e4b15(device.index or 0),
         num_warps=warps,
         num_stages=stages,
+        **({'maxnreg': _MAXNREG} if _MAXNREG and query.is_cuda else {}),
     )
     _tq_grouped_decode_stage2[(B, Hq)](
         mid_o,
