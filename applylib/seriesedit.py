@@ -9,13 +9,15 @@ import shlex
 from pathlib import Path
 
 from .bases import RELEASE_TAG, Base
-from .core import atomic_write
+from .core import STACK_KEYS, atomic_write
 from .series import Series, Stack
 
 
 def stack_directive(name: str, pins: dict[str, str]) -> str:
-    """The '#@ stack' line of a stack with these pins."""
-    order = ["repo", "tag", "branch", "commit", "upstream", "pypi", "fetch"]
+    """The '#@ stack' line of a stack with these pins (every key the parser
+    takes, in the spec's order)."""
+    order = ["repo", "tag", "branch", "commit", "upstream", "fetch", "assemble"]
+    assert set(order) == STACK_KEYS, "stack keys out of step with the parser"
     return " ".join(
         [f"#@ stack {name}"]
         + [f"{k}={shlex.quote(pins[k])}" for k in order if pins.get(k)]

@@ -19,6 +19,9 @@ from pathlib import Path
 import pytest
 from conftest import MOD_V1, Fixture, git, git_on_path, standard_stack
 
+from applylib.core import STACK_KEYS
+from applylib.seriesedit import stack_directive
+
 NO_X2_TEST = '''\
 from pathlib import Path
 
@@ -343,3 +346,12 @@ def test_newer_releases_and_what_the_stack_needs_there(rb: Fixture) -> None:
     p = rb.run("status", "--newer", "--offline", "--repo", str(rb.upstream))
     assert p.returncode == 0, p.stdout + p.stderr
     assert p.stdout.startswith("up to date: no vLLM release newer than v1.3.0")
+
+
+def test_stack_directive_writes_every_pin_the_parser_reads():
+    """A re-pinned stack line keeps every key the parser takes (the writer's
+    key list once still named the removed `pypi` and not `assemble`)."""
+    pins = {k: f"v-{k}" for k in sorted(STACK_KEYS)}
+    line = stack_directive("s", pins)
+    assert line.startswith("#@ stack s ")
+    assert sorted(w.split("=")[0] for w in line.split()[3:]) == sorted(STACK_KEYS)
