@@ -207,22 +207,27 @@ if has decode; then
 fi
 
 if has variants; then
-  # Stage-1 variants of the grouped decode (ci/gpu/variants/NAME.py, each a
-  # whole triton_turboquant_grouped_decode.py): tree tq33-var-NAME is
-  # tq33-patched with it; each tree, tq33-patched first, gets the bench's
-  # sweep on VAR_CELLS (its own v0.33.0 and FA2 columns, same GPU).
+  # Stage-1 variants of the grouped decode: ci/gpu/variants/NAME.diff against
+  # tq33-patched's module; VARIANTS lists them ("stacked+reg168": both, in
+  # order; default every diff alone). Tree tq33-var-NAME each; every tree,
+  # tq33-patched first, gets the bench's sweep on VAR_CELLS (its own v0.33.0
+  # and FA2 columns, same GPU).
   command -v ncu || ls /usr/local/cuda*/bin/ncu 2>/dev/null || echo "no ncu"
-  for v in ci/gpu/variants/*.py; do
-    n=tq33-var-$(basename "$v" .py); rm -rf "${T:?}/$n"; cp -a $T/tq33-patched $T/$n
-    cp "$v" $T/$n/vllm/v1/attention/ops/triton_turboquant_grouped_decode.py
+  vtrees=""
+  for v in ${VARIANTS:-$(cd ci/gpu/variants && ls *.diff | sed 's/\.diff$//')}; do
+    n=tq33-var-$v; rm -rf "${T:?}/$n"; cp -a $T/tq33-patched $T/$n
+    for d in ${v//+/ }; do
+      patch -d $T/$n -p1 -s < ci/gpu/variants/$d.diff || { echo "== $v: $d does not apply"; continue 2; }
+    done
+    vtrees="$vtrees $n"
   done
-  for t in tq33-patched $(cd $T && ls -d tq33-var-* 2>/dev/null); do
+  for t in tq33-patched $vtrees; do
     run vbench_$t ${VAR_CAP:-170} $PY ci/gpu/tq_decode_bench.py --tree $T/$t \
-      --out "$OUT/variants/$t" --sweep --deadline $(( ${VAR_CAP:-170} - 15 )) \
+      --out "$W/variants/$t" --sweep --deadline $(( ${VAR_CAP:-170} - 15 )) \
       --cells "${VAR_CELLS:-1x131072,8x32768,32x32768,32x131072,128x32768}" \
       --kernels "${VAR_KERNELS:-64,4,1;64,8,1;32,4,1;128,8,1;32,4,2;64,8,2}" \
       --ppsm "${VAR_PPSM:-8}"
-    echo "## $t"; cat "$OUT/variants/$t/tq_decode_table.md" 2>/dev/null
+    echo "## $t"; cat "$W/variants/$t/tq_decode_table.md" 2>/dev/null
   done
 fi
 

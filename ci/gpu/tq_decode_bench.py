@@ -89,7 +89,7 @@ def parse_args() -> argparse.Namespace:
     if args.small:
         HQ, HK, D = 4, 1, 64
         BATCHES, LENS, REPS, CHECK_CACHED = (1, 2), (48, 160), 2, [40, 3, 130]
-        SWEEP_CELLS, SWEEP_KERNELS, SWEEP_PPSM = ((2, 160),), ((16, 4), (8, 2)), (4,)
+        SWEEP_CELLS, SWEEP_KERNELS, SWEEP_PPSM = ((2, 160),), ((16, 4, 1),), (4,)
         FLUSH_BYTES = 1 << 20
     if args.kernels:
         SWEEP_KERNELS = tuple(
