@@ -233,23 +233,28 @@ fi
 
 if has profile; then
   # ncu on one grouped-decode stage 1 per preset (PROF_TREES, default
-  # tq33-patched; PROF_CELL 32x32768): the full set's report in $OUT/profile,
-  # its details page printed in part.
-  mkdir -p "$OUT/profile"
+  # tq33-patched; PROF_CELL 32x32768): the full set; its details page and
+  # its per-SASS-instruction source page (CSV) in $OUT/profile.tar.gz, the
+  # details page printed in part.
+  P=$W/profile; mkdir -p "$P"
   NCU=$(command -v ncu || echo /usr/local/cuda/bin/ncu)
   for t in ${PROF_TREES:-tq33-patched}; do
     for p in turboquant_4bit_nc turboquant_k8v4; do
       n=prof_${t}_${p#turboquant_}
       run $n ${PROF_CAP:-120} $NCU -k regex:_tq_grouped_decode_stage1 -s 1 -c 1 \
-        --set full --import-source no -f -o "$OUT/profile/$n" \
+        --set full --import-source no -f -o "$P/$n" \
         $PY ci/gpu/tq_decode_profile.py --tree $T/$t --preset $p \
         --cell "${PROF_CELL:-32x32768}"
-      $NCU --import "$OUT/profile/$n.ncu-rep" --page details --print-details all \
-        > "$OUT/profile/$n.txt" 2>&1
-      grep -E "Duration|Memory Throughput|DRAM Throughput|Registers Per|Achieved Occupancy|Theoretical Occupancy|Block Limit|Issue Slots Busy|Executed Ipc A|No Eligible|Active Warps Per|Eligible Warps|Warp Cycles Per Issued|L1/TEX Hit|L2 Hit|Local|Stall|stall" \
-        "$OUT/profile/$n.txt" | head -60
+      $NCU --import "$P/$n.ncu-rep" --page details --print-details all > "$P/$n.txt" 2>&1
+      $NCU --import "$P/$n.ncu-rep" --page source --print-source sass --csv \
+        > "$P/$n.sass.csv" 2>&1
+      $PY ci/gpu/ncu_sass_mix.py "$P/$n.sass.csv" > "$P/$n.mix.txt" 2>&1
+      cat "$P/$n.mix.txt"
+      grep -E "Duration|DRAM Throughput|Registers Per|Theoretical Occupancy|Issue Slots Busy|Active Warps Per|Eligible Warps|Warp Cycles Per Issued|Instructions Executed|Stall (Wait|Long|Short|Barrier|MIO|Math)" \
+        "$P/$n.txt" | head -24
     done
   done
+  tar -C "$P" -czf "$OUT/profile.tar.gz" --exclude='*.ncu-rep' .
 fi
 
 $PY ci/gpu/summarize.py --work "$W" --out "$OUT" > "$W/summary.log" 2>&1 || tail -n 30 "$W/summary.log"
