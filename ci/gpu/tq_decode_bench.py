@@ -503,7 +503,10 @@ def run_preset(env, preset: str, args, flush, res: dict) -> None:
         kv.normal_()
     best = None
     if args.sweep:
-        res["sweeps"][preset] = sweep(env, p, flush, args.t_end - 60)
+        # An equal share of the sweep's time for this preset and the rest.
+        left = len(PRESETS) - PRESETS.index(preset)
+        end = t0 + (args.t_end - 60 - t0) / left
+        res["sweeps"][preset] = sweep(env, p, flush, end)
         best = res["sweeps"][preset]["best"]
     for b, n in sorted(cells, key=lambda c: c[0] * c[1]):
         if time.time() > args.t_end:
