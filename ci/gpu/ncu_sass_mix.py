@@ -26,7 +26,8 @@ def opcode(sass: str) -> str:
 
 
 def main(path: str) -> int:
-    rows = list(csv.reader(open(path)))
+    with open(path, newline="") as f:
+        rows = list(csv.reader(f))
     head = next(r for r in rows if "Source" in r and "Address" in r)
     col = {h: i for i, h in enumerate(head)}
     data = [r for r in rows if len(r) == len(head) and r is not head]

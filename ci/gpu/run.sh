@@ -212,7 +212,6 @@ if has variants; then
   # order; default every diff alone). Tree tq33-var-NAME each; every tree,
   # tq33-patched first, gets the bench's sweep on VAR_CELLS (its own v0.33.0
   # and FA2 columns, same GPU).
-  command -v ncu || ls /usr/local/cuda*/bin/ncu 2>/dev/null || echo "no ncu"
   vtrees=""
   for v in ${VARIANTS:-$(cd ci/gpu/variants && ls *.diff | sed 's/\.diff$//')}; do
     n=tq33-var-$v; rm -rf "${T:?}/$n"; cp -a $T/tq33-patched $T/$n

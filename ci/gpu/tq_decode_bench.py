@@ -97,13 +97,15 @@ def parse_args() -> argparse.Namespace:
         )
     if args.ppsm:
         SWEEP_PPSM = tuple(int(x) for x in args.ppsm.split(","))
-    args.cells = (
-        [tuple(int(x) for x in c.split("x")) for c in args.cells.split(",")]
-        if args.cells
-        else None
-    )
+    args.cells = [parse_cell(c) for c in args.cells.split(",")] if args.cells else None
     args.deadline = args.deadline or (1800 if args.small else 420)
     return args
+
+
+def parse_cell(text: str) -> tuple[int, int]:
+    """A cell "BxL" (requests x context tokens) as (B, L)."""
+    batch, length = (int(x) for x in text.split("x"))
+    return batch, length
 
 
 # --------------------------------------------------------------------------

@@ -1,6 +1,7 @@
 """One decode step of the grouped TurboQuant decode for ncu (issue 28): the
 bench's preset, cache and metadata (tq_decode_bench.py), the grouped
-launcher called WARM + 1 times eagerly, nothing else on the GPU between.
+launcher called --calls times eagerly (the first compiles; ncu's -s 1 skips
+it), nothing else on the GPU between.
 
     ncu -k regex:_tq_grouped_decode_stage1 -s 1 -c 1 --set full \
         python ci/gpu/tq_decode_profile.py --tree T --preset P --cell 32x32768
@@ -25,7 +26,7 @@ def main() -> int:
     ap.add_argument("--cell", default="32x32768", help="BxL")
     ap.add_argument("--calls", type=int, default=2)
     args = ap.parse_args()
-    batch, length = (int(x) for x in args.cell.split("x"))
+    batch, length = bench.parse_cell(args.cell)
     env = tqlib.use_tree(args.tree)
     import vllm.v1.attention.ops.triton_turboquant_grouped_decode as gd
 
