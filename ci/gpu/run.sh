@@ -11,8 +11,9 @@
 # ci/gpu/proposed/, benchmarked against (b) and tested), uq (UltraQuant,
 # tq-v0.33/0004-0007: uq_cudagraph.py's real full-graph capture and replay on
 # tq33-base and tq33-patched, and the UltraQuant tests on tq33-patched),
-# decode (issue 28: tq_decode_bench.py with its sweep on tq33-patched, then
-# the grouped decode's tests there), noflash (issue 27: the continuation
+# decode (issue 28: tq_decode_bench.py with its sweep on tq33-patched, its
+# presets from DECODE_PRESETS, e.g. 4bit_nc,k3v4_nc, then the grouped
+# decode's tests there), noflash (issue 27: the continuation
 # bench without flash-attn on tq33-base and tq33-patched, and the TurboQuant
 # tests on tq33-patched), releases (tq-v0.33 on older releases: the tests of
 # the patches that apply there, trees tq33-on-<release> from pack.sh's
@@ -200,7 +201,7 @@ if has decode; then
   # side (tables and JSON in $OUT/decode), then the grouped decode's tests
   # and the TurboQuant tests whose decode rows take it.
   run decode_bench 330 $PY ci/gpu/tq_decode_bench.py --tree $T/tq33-patched \
-    --out "$OUT/decode" --sweep --deadline 280
+    --out "$OUT/decode" --sweep --deadline 280 ${DECODE_PRESETS:+--presets $DECODE_PRESETS}
   BASE_TREE= pt tq33_decode tq33-patched tests/patches/test_tq_grouped_decode.py \
     tests/patches/test_tq_batches.py tests/patches/test_tq_host_metadata.py
   cat "$OUT/decode/tq_decode_table.md" 2>/dev/null
@@ -208,7 +209,8 @@ fi
 
 if has variants; then
   # Stage-1 variants of the grouped decode: ci/gpu/variants/NAME.diff against
-  # tq33-patched's module; VARIANTS lists them ("stacked+reg168": both, in
+  # tq33-patched's module (as of cad39a5: stacked, tlgather, transposed and
+  # words do not apply to the later, 3-bit-aware one); VARIANTS lists them ("stacked+reg168": both, in
   # order; default every diff alone). Tree tq33-var-NAME each; every tree,
   # tq33-patched first, gets the bench's sweep on VAR_CELLS (its own v0.33.0
   # and FA2 columns, same GPU).

@@ -4,9 +4,10 @@ and bf16 FlashAttention-2 decode side by side in one process, on one tree
 (the patched tq-v0.33 tree: it holds both TurboQuant kernels).
 
 Shapes: Qwen3.5-9B attention (Hq 16, Hk 4, D 256, bf16), block 16, presets
-turboquant_4bit_nc and turboquant_k8v4; decode steps of B in {1, 8, 32, 128}
-requests, each with L in {4K, 32K, 128K} tokens of context (a cell, or its
-bf16 stand-in, is skipped when it does not fit the GPU's memory).
+turboquant_4bit_nc, turboquant_k8v4 and turboquant_3bit_nc (--presets);
+decode steps of B in {1, 8, 32, 128} requests, each with L in {4K, 32K,
+128K} tokens of context (a cell, or its bf16 stand-in, is skipped when it
+does not fit the GPU's memory).
 
 Each cell, CUDA-graph replayed, L2 flushed before every replay, median of 25:
 
@@ -57,7 +58,7 @@ from tqlib import h  # noqa: E402
 
 HQ, HK, D, BLOCK = 16, 4, 256, 16
 DTYPE = torch.bfloat16
-PRESETS = ("turboquant_4bit_nc", "turboquant_k8v4")
+PRESETS = ("turboquant_4bit_nc", "turboquant_k8v4", "turboquant_3bit_nc")
 BATCHES = (1, 8, 32, 128)
 LENS = (4096, 32768, 131072)
 REPS = 25
@@ -75,7 +76,7 @@ FLUSH_BYTES = 256 << 20  # > H100's 50 MB L2
 
 def parse_args() -> argparse.Namespace:
     global HQ, HK, D, BATCHES, LENS, REPS, CHECK_CACHED, SWEEP_CELLS
-    global SWEEP_KERNELS, SWEEP_PPSM, FLUSH_BYTES
+    global SWEEP_KERNELS, SWEEP_PPSM, FLUSH_BYTES, PRESETS
     ap = argparse.ArgumentParser()
     ap.add_argument("--tree", required=True)
     ap.add_argument("--out", required=True, help="directory for the results")
@@ -85,6 +86,7 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--cells", help="BxL,... instead of all (e.g. 32x32768)")
     ap.add_argument("--kernels", help="sweep points BLOCK_KV,warps,stages;...")
     ap.add_argument("--ppsm", help="sweep's programs per SM, comma list")
+    ap.add_argument("--presets", help="comma list, e.g. 4bit_nc,k3v4_nc")
     args = ap.parse_args()
     if args.small:
         HQ, HK, D = 4, 1, 64
@@ -95,6 +97,8 @@ def parse_args() -> argparse.Namespace:
         SWEEP_KERNELS = tuple(
             tuple(int(x) for x in k.split(",")) for k in args.kernels.split(";")
         )
+    if args.presets:
+        PRESETS = tuple(f"turboquant_{p}" for p in args.presets.split(","))
     if args.ppsm:
         SWEEP_PPSM = tuple(int(x) for x in args.ppsm.split(","))
     args.cells = [parse_cell(c) for c in args.cells.split(",")] if args.cells else None
@@ -566,7 +570,12 @@ def main() -> int:
         "ceilings": env.ceil,
         "tree": str(env.tree),
         "shape": {"Hq": HQ, "Hk": HK, "D": D, "block": BLOCK, "reps": REPS},
-        "defaults": [gd._MSE_CONFIG, gd._FP8_CONFIG, gd._PROGRAMS_PER_SM],
+        "defaults": [
+            gd._MSE_CONFIG,
+            gd._K3V4_CONFIG,
+            gd._FP8_CONFIG,
+            gd._PROGRAMS_PER_SM,
+        ],
         "checks": {},
         "sweeps": {},
         "rows": [],
