@@ -261,11 +261,32 @@ def decode_requests(calls: list, head: int) -> list[int]:
     ]
 
 
-def test_decode_within_reserved_workspace(env: tb.Backend) -> None:
+def layer_registers_decode_buffers() -> bool:
+    """v0.20.x: the Attention layer registers TurboQuant's decode buffers
+    (later releases' builder reserves them in the workspace)."""
+    import inspect
+
+    from vllm.model_executor.layers.attention import attention
+
+    return '"_tq_mid_o_buf"' in inspect.getsource(attention)
+
+
+def test_decode_within_reserved_buffers(env: tb.Backend) -> None:
     """Decode steps of one request (the most splits) and of max_num_seqs
-    requests ask the workspace for no more than the builder reserves for
-    decode (and, locked after the reservation as after graph capture, get
-    it); a batch of one spends more splits than v0.33.0's fixed count."""
+    requests stay within the decode buffers reserved before the workspace
+    lock (v0.21+: by the builder, in the workspace; v0.20.x: registered by
+    the Attention layer); a batch of one spends more splits than the
+    release's fixed count."""
+    if layer_registers_decode_buffers():
+        within_layer_buffers(env)
+    else:
+        within_reserved_workspace(env)
+
+
+def within_reserved_workspace(env: tb.Backend) -> None:
+    """Decode asks the workspace for no more than the builder reserves for
+    decode (and, locked after the reservation as after graph capture, gets
+    it)."""
     from vllm.v1.worker import workspace
 
     calls: list = []
@@ -300,6 +321,37 @@ def test_decode_within_reserved_workspace(env: tb.Backend) -> None:
         1, env.shape.hk, impl._max_num_reqs * impl.max_num_kv_splits, tb.DEVICE
     )
     assert one > impl.max_num_kv_splits
+
+
+def within_layer_buffers(env: tb.Backend) -> None:
+    """Decode puts its partials in the (max_num_seqs, Hq, S, D + 1) buffer
+    the Attention layer registers before the memory profiler runs (no new
+    allocation)."""
+    gd = grouped_module()
+    used: list = []
+    split = gd._split_mid_buffer
+
+    def recording(buf, *args):
+        mid_o, mid_lse = split(buf, *args)
+        used.append(mid_o.untyped_storage().data_ptr())
+        return mid_o, mid_lse
+
+    s = env.shape
+    for cached in ([70], [5, 33, 16, 1, 64, 2, 17, 40]):
+        impl, layer, batch = tb.decode_batch(env, cached, seed=len(cached))
+        rows, splits = impl._max_num_reqs, impl.max_num_kv_splits
+        mid = torch.empty(rows, s.hq, splits, s.head + 1, device=tb.DEVICE)
+        layer.register_buffer("_tq_mid_o_buf", mid, persistent=False)
+        meta = env.builder().build(0, batch.cam)
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(gd, "_split_mid_buffer", recording)
+            out = tb.forward(impl, layer, batch, meta)
+        tb.assert_matches_reference(out, batch, impl, layer)
+        assert used and used[-1] == mid.untyped_storage().data_ptr(), (
+            f"decode of {len(cached)} requests allocated its partials"
+        )
+    one = gd.grouped_decode_num_splits(1, s.hk, rows * splits, tb.DEVICE)
+    assert one > splits
 
 
 def test_num_splits_from_host_sizes() -> None:
