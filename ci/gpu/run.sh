@@ -89,7 +89,8 @@ if has bench; then
 fi
 if has tests; then
   pt tq_patched tq-patched tests/patches/test_tq_workspace.py \
-    tests/patches/test_tq_host_metadata.py tests/patches/test_tq_hybrid.py
+    tests/patches/test_tq_host_metadata.py tests/patches/test_tq_hybrid.py \
+    tests/patches/test_tq_grouped_decode.py tests/patches/test_tq_batches.py
   # Each tq patch's regression tests (the first Tests: line) on the base.
   reg=$(for p in $(grep -E '^tq/' series); do
           grep -m1 '^Tests:' "patches/$p" | cut -d' ' -f2-; done)
