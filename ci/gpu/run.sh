@@ -203,8 +203,11 @@ if has decode; then
   # and the TurboQuant tests whose decode rows take it.
   run decode_bench 330 $PY ci/gpu/tq_decode_bench.py --tree $T/tq33-patched \
     --out "$OUT/decode" --sweep --deadline 280 ${DECODE_PRESETS:+--presets $DECODE_PRESETS}
+  # (without tq/0002's test of a builder given no CPU seq_lens at all: tq-v0.33
+  # leaves that to upstream, whose runner and unpadded() always pass the bound)
   BASE_TREE= pt tq33_decode tq33-patched tests/patches/test_tq_grouped_decode.py \
-    tests/patches/test_tq_batches.py tests/patches/test_tq_host_metadata.py
+    tests/patches/test_tq_batches.py tests/patches/test_tq_host_metadata.py \
+    --deselect tests/patches/test_tq_host_metadata.py::test_builder_without_cpu_seq_lens
   cat "$OUT/decode/tq_decode_table.md" 2>/dev/null
 fi
 

@@ -489,8 +489,8 @@ def report(rows: list[dict], calls: dict) -> str:
         "",
         f"Device: {', '.join(gpus) or '?'}; dates: {', '.join(dates) or '?'}.",
         (
-            "Calls (ci/gpu/engine/PLAN.md; each `bash ci/gpu/engine/device/call.sh "
-            "CALL` with carry `.dev/eng/CALL`):"
+            "Calls (ci/gpu/results/history/engine/PLAN.md; each "
+            "`bash ci/gpu/engine/device/call.sh CALL` with carry `.dev/eng/CALL`):"
         ),
         *[f"- {c}: {v['header']} ({v['n']} jobs)" for c, v in sorted(calls.items())],
         "",
