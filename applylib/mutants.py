@@ -175,7 +175,8 @@ def stack_mutants(
     rid = hashlib.sha1(str(git_common_dir(base.repo)).encode()).hexdigest()[:10]
     with locked(rid):
         preimages(stack, patches, base, pinned)
-        top = worktree(base.repo, f"{stack.name}-mutants-stack", base.commit)
+        # The main job's two worktrees (runner.TreeRing): no others needed.
+        top = worktree(base.repo, f"{stack.name}-at-0", base.commit)
         apply_stack(top, patches, results)
         commits = positions(base.commit, patches, results)
         for i, p in enumerate(patches):
@@ -196,8 +197,8 @@ def patch_mutants(
 ) -> list[dict]:
     if commits[i + 1] == commits[i]:
         return [{"patch": p.file, "outcome": "skipped", "reason": "does not apply"}]
-    before = worktree(repo, f"{stack.name}-mutants-before", commits[i])
-    wt = worktree(repo, f"{stack.name}-mutants", commits[i + 1])
+    before = worktree(repo, f"{stack.name}-at-0", commits[i])
+    wt = worktree(repo, f"{stack.name}-at-1", commits[i + 1])
     env = {"python": test_python(args.python), "base_tree": str(before)}
     rows = []
     for m in load_mutants(series, stack, p.file):

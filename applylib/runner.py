@@ -236,33 +236,51 @@ def run_positions(
     """Run the plan, one pytest run per distinct tree. The tests at a
     position see the tree just before it as VLLM_BASE_TREE (what an
     unpatched-vs-patched comparison needs). `top`: a worktree already at
-    the last position."""
+    the last position. Two worktrees serve every position in turn (a
+    position's tree and the one before it), not one per patch."""
     first = {}
     for j, c in enumerate(commits):
         first.setdefault(c, j)
-    trees: dict[int, Path] = {}
-    wanted = {first[commits[j]] for j in plan}
-    wanted |= {first[commits[j - 1]] for j in plan if j > 0}
-    for j in sorted(wanted):
-        if top is not None and commits[j] == commits[-1]:
-            trees[j] = top
-        else:
-            trees[j] = worktree(repo, f"{key}-{j}", commits[j])
     ids_at: dict[int, list[str]] = {}
     for j, ids in sorted(plan.items()):
         have = ids_at.setdefault(first[commits[j]], [])
         have += [t for t in ids if t not in have]
+    ring = TreeRing(repo, key, top, commits[-1])
     outs: dict[int, dict[str, Outcome]] = {}
     logs: dict[int, str] = {}
     for j, ids in ids_at.items():
+        prev = commits[j - 1] if j > 0 else None
+        tree = ring.at(commits[j], keep=prev)
         extra = {}
-        if j > 0:
-            extra["VLLM_BASE_TREE"] = str(trees[first[commits[j - 1]]])
+        if prev is not None:
+            extra["VLLM_BASE_TREE"] = str(ring.at(prev, keep=commits[j]))
         label = "unpatched base" if j == 0 else f"with {j} patch(es)"
         outs[j], logs[j] = run_tests(
-            series.root, trees[j], ids, python, f"{key}, {label}", extra
+            series.root, tree, ids, python, f"{key}, {label}", extra
         )
     return {j: outs[first[commits[j]]] for j in plan}, logs
+
+
+class TreeRing:
+    """Two of the tool's worktrees (`key`-0, `key`-1) moved from commit to
+    commit as the positions are run, and `top`, already at `top_commit`."""
+
+    def __init__(self, repo: Path, key: str, top: Path | None, top_commit: str):
+        self.repo, self.key = repo, key
+        self.top, self.top_commit = top, top_commit
+        self.slots: list[tuple[str, Path] | None] = [None, None]
+
+    def at(self, commit: str, keep: str | None) -> Path:
+        """A worktree at `commit`, never moving the one at `keep`."""
+        if self.top is not None and commit == self.top_commit:
+            return self.top
+        for slot in self.slots:
+            if slot is not None and slot[0] == commit:
+                return slot[1]
+        s = 1 if self.slots[0] is not None and self.slots[0][0] == keep else 0
+        path = worktree(self.repo, f"{self.key}-{s}", commit)
+        self.slots[s] = (commit, path)
+        return path
 
 
 def ran(o: Outcome) -> Outcome:

@@ -145,6 +145,40 @@ def test_patch_judged_at_its_position(fx: Fixture) -> None:
     assert mul["tests"] == "pass"
 
 
+def test_every_position_sees_its_own_trees_in_two_worktrees(fx: Fixture) -> None:
+    """Four patches, each raising LEVEL by one: the tests at every position
+    see that position's tree as VLLM_TREE and the one before it as
+    VLLM_BASE_TREE, although two worktrees serve all four positions."""
+    (fx.project / "tests" / "patches" / "test_level.py").write_text(
+        "import os\nfrom pathlib import Path\n\nimport pytest\n\n\n"
+        "def level(var):\n"
+        '    text = (Path(os.environ[var]) / "vllm" / "mod.py").read_text()\n'
+        '    return int(text.rsplit("LEVEL = ", 1)[1]) if "LEVEL" in text else 0\n\n\n'
+        '@pytest.mark.parametrize("k", [1, 2, 3, 4])\n'
+        '@pytest.mark.bug_signature(AssertionError, r"^below the fix")\n'
+        "def test_level(k):\n"
+        '    assert level("VLLM_TREE") >= k, "below the fix"\n'
+        '    before = level("VLLM_TREE") - 1\n'
+        '    assert level("VLLM_BASE_TREE") == before, "base tree not the one before"\n'
+    )
+    text, series = MOD_V1, "#@ stack fx repo=https://example.invalid/vllm tag=v1.0.0\n"
+    for k in range(1, 5):
+        text += f"\nLEVEL = {k}\n"
+        name = f"fx/000{k}-level-{k}.patch"
+        fx.make_patch(name, {"vllm/mod.py": text}, f"[Core] Level {k}",
+                      [f"tests/patches/test_level.py::test_level[{k}]"],
+                      base="v1.0.0" if k == 1 else None)
+        series += name + "\n"
+    fx.write_series(series)
+    p, r = run_main(fx)
+    assert p.returncode == 0, p.stdout + p.stderr
+    for k in range(1, 5):
+        assert r[f"fx/000{k}-level-{k}.patch"]["regression"] == {
+            "base": "fail", "patched": "pass"}
+    trees = sorted(d.name for d in fx.cache.glob("worktrees/*/fx-at-*"))
+    assert trees == ["fx-at-0", "fx-at-1"]
+
+
 def test_later_patch_undoing_a_fix_fails_the_stack(fx: Fixture) -> None:
     standard_stack(fx)
     # 0002 fixes scale but puts add's bug back
