@@ -17,6 +17,8 @@ bash ci/setup.sh || exit 1
 ci=$PWD/build/ci
 [ -n "${VLLM_PATCHES_CI_WARM:-}" ] || rm -rf "$ci"
 mkdir -p "$ci"
+# what a run writes under build/ is in docs/testing.md#ci; a full disk fails late
+df -Pk "$ci" | awk 'NR == 2 {printf "ci/test.sh: %.1f GB free under build/\n", $4 / 1048576}'
 export PIP_CACHE_DIR=${PIP_CACHE_DIR:-$HOME/.cache/pip}
 export VLLM_PATCHES_CACHE=$ci/vllm-patches XDG_CACHE_HOME=$ci/xdg
 export VLLM_CACHE_ROOT=$ci/vllm TRITON_CACHE_DIR=$ci/triton
