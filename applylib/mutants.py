@@ -137,7 +137,12 @@ def run_mutant(
         tests,
         env["python"],
         f"mutant {m.name}",
-        {"VLLM_BASE_TREE": env["base_tree"]},
+        {
+            "VLLM_BASE_TREE": env["base_tree"],
+            # a mutant is killed by the first failure of a test's own check
+            "VLLM_PATCHES_EXPECT_FAIL": "*",
+            "VLLM_PATCHES_STOP_AT_KILL": "1",
+        },
     )
     killers = [t for t in tests if outs[t].asserted]
     worst = aggregate(list(outs.values()))

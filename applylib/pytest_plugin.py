@@ -12,7 +12,14 @@ and does three things:
   hung test is an ``error`` and the rest still run;
 * verdicts: each test case gets a ``verdict`` property in the JUnit report,
   one of ``pass``, ``fail``, ``error`` or ``skip``, and a one-line
-  ``reason``.
+  ``reason``;
+* where a failure is the expected outcome (``VLLM_PATCHES_EXPECT_FAIL``:
+  node ids, or ``*`` for all: a regression test on the tree before its
+  patch, a mutant's tests), a hypothesis test reports its first failing
+  example unshrunk: the verdict needs the failure and its signature, not
+  the smallest example (shrinking cost minutes per test); with
+  ``VLLM_PATCHES_STOP_AT_KILL`` the run stops at the first test whose own
+  check failed (a mutant is killed; the rest cannot change that).
 
 A regression test declares what the bug looks like with one or more
 ``@pytest.mark.bug_signature(ExceptionType, r"message pattern")`` markers.
@@ -56,18 +63,52 @@ def pytest_collection_modifyitems(
     if not raw:
         return
     want = raw.split("\n")
-
-    def keep(nid: str) -> bool:
-        return any(nid == w or nid.startswith((w + "::", w + "[")) for w in want)
-
-    gone = [i for i in items if not keep(i.nodeid)]
+    gone = [i for i in items if not selected(i.nodeid, want)]
     if gone:
         config.hook.pytest_deselected(items=gone)
-        items[:] = [i for i in items if keep(i.nodeid)]
+        items[:] = [i for i in items if selected(i.nodeid, want)]
+
+
+def selected(nid: str, want: list[str]) -> bool:
+    """`nid` is one of the node ids in `want`, or a case of one."""
+    return any(nid == w or nid.startswith((w + "::", w + "[")) for w in want)
+
+
+def expect_fail(item: pytest.Item) -> bool:
+    want = os.environ.get("VLLM_PATCHES_EXPECT_FAIL", "").split("\n")
+    return want == ["*"] or selected(item.nodeid, want)
+
+
+def without_shrinking(test: object) -> object | None:
+    """`test`'s hypothesis settings without shrinking (and without the
+    explain phase, which follows it), one failure reported; None for a
+    test that is not a hypothesis test."""
+    old = getattr(test, "_hypothesis_internal_use_settings", None)
+    if old is None:
+        return None
+    from hypothesis import Phase, settings
+
+    phases = [p for p in old.phases if p not in (Phase.shrink, Phase.explain)]
+    return settings(old, phases=phases, report_multiple_bugs=False)
 
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_call(item: pytest.Item):
+    test = getattr(item, "obj", None)
+    fast = without_shrinking(test) if expect_fail(item) else None
+    if fast is None:
+        yield from timed_call()
+        return
+    old = test._hypothesis_internal_use_settings  # type: ignore[union-attr]
+    test._hypothesis_internal_use_settings = fast  # type: ignore[union-attr]
+    try:
+        yield from timed_call()
+    finally:
+        test._hypothesis_internal_use_settings = old  # type: ignore[union-attr]
+
+
+def timed_call():
+    """The test call, under VLLM_PATCHES_TEST_TIMEOUT."""
     limit = float(os.environ.get("VLLM_PATCHES_TEST_TIMEOUT", "0") or 0)
     if limit <= 0 or not hasattr(signal, "setitimer"):
         yield
@@ -157,3 +198,6 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
         item.user_properties[:] = [
             (k, v) for k, v in item.user_properties if k not in got
         ] + list(got.items())
+        killed = got["verdict"] == "fail" or got.get("assertion") == "1"
+        if killed and os.environ.get("VLLM_PATCHES_STOP_AT_KILL"):
+            item.session.shouldstop = "a test's own check failed (mutant killed)"

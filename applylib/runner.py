@@ -232,32 +232,47 @@ def run_positions(
     plan: dict[int, list[str]],
     python: str,
     top: Path | None = None,
+    expect_fail: dict[int, list[str]] | None = None,
+    wall: dict[int, float] | None = None,
 ) -> tuple[dict[int, dict[str, Outcome]], dict[int, str]]:
     """Run the plan, one pytest run per distinct tree. The tests at a
     position see the tree just before it as VLLM_BASE_TREE (what an
     unpatched-vs-patched comparison needs). `top`: a worktree already at
     the last position. Two worktrees serve every position in turn (a
-    position's tree and the one before it), not one per patch."""
+    position's tree and the one before it), not one per patch.
+    `expect_fail`: the node ids whose failure is the expected outcome at
+    each position (they are not shrunk); None: every one (verdicts only).
+    `wall`, if given, gets each pytest run's wall seconds by position."""
     first = {}
     for j, c in enumerate(commits):
         first.setdefault(c, j)
     ids_at: dict[int, list[str]] = {}
+    passing: dict[int, set[str]] = {}
     for j, ids in sorted(plan.items()):
         have = ids_at.setdefault(first[commits[j]], [])
         have += [t for t in ids if t not in have]
+        if expect_fail is not None:
+            fails = expect_fail.get(j, [])
+            passing.setdefault(first[commits[j]], set()).update(
+                t for t in ids if t not in fails
+            )
     ring = TreeRing(repo, key, top, commits[-1])
     outs: dict[int, dict[str, Outcome]] = {}
     logs: dict[int, str] = {}
     for j, ids in ids_at.items():
+        t0 = time.monotonic()
         prev = commits[j - 1] if j > 0 else None
         tree = ring.at(commits[j], keep=prev)
-        extra = {}
+        fails = [t for t in ids if t not in passing.get(j, ())]
+        extra = {"VLLM_PATCHES_EXPECT_FAIL": "\n".join(fails)}
         if prev is not None:
             extra["VLLM_BASE_TREE"] = str(ring.at(prev, keep=commits[j]))
         label = "unpatched base" if j == 0 else f"with {j} patch(es)"
         outs[j], logs[j] = run_tests(
             series.root, tree, ids, python, f"{key}, {label}", extra
         )
+        if wall is not None:
+            wall[j] = round(time.monotonic() - t0, 1)
     return {j: outs[first[commits[j]]] for j in plan}, logs
 
 
@@ -385,6 +400,7 @@ def run_stack(
         if not args.no_tests:
             commits = positions(base.commit, patches, results)
             plan = test_plan(patches, results, full=True)
+            wall: dict[int, float] = {}
             outs, logs = run_positions(
                 series,
                 base.repo,
@@ -393,8 +409,11 @@ def run_stack(
                 plan,
                 test_python(args.python),
                 top=wt,
+                expect_fail={i: p.regression for i, p in enumerate(patches)},
+                wall=wall,
             )
             judge(patches, results, outs)
+            rep["position_seconds"] = {str(j): s for j, s in wall.items()}
             rep["logs"] = {str(j): log[-20000:] for j, log in logs.items()}
     rep["status"] = "ran"
     rep["patches"] = [results[p.file].to_json() for p in patches]

@@ -56,7 +56,43 @@ def main(build: Path) -> int:
     else:
         print(f"ci: docs check: {len(lines)} problem(s) (build/docs_check.txt)")
     print("ci: the pytest run above: the tool's own tests (tests/tool)")
+    for line in stage_table(build, stacks, mutants):
+        print(f"ci: {line}")
     return 0
+
+
+def stage_table(
+    build: Path, stacks: list[dict] | None, mutants: list[dict] | None
+) -> list[str]:
+    """Wall time per stage (build/stages.tsv, written by ci/test.sh), the
+    main job per stack and per tree position, the mutants per patch."""
+    try:
+        stages = [
+            ln.split("\t") for ln in (build / "stages.tsv").read_text().split("\n")
+        ]
+    except OSError:
+        return ["stage times: no build/stages.tsv"]
+    rows = [("stage", "secs")]
+    for name, secs in (s for s in stages if len(s) == 2):
+        rows.append((name, secs))
+        if name == "main job":
+            for st in stacks or []:
+                rows.append((f"  stack {st['name']}", f"{st.get('seconds', 0):.0f}"))
+                for j, w in st.get("position_seconds", {}).items():
+                    rows.append((f"    position {j} (pytest run)", f"{w:.0f}"))
+        if name == "mutants":
+            per: Counter = Counter()
+            n: Counter = Counter()
+            for m in mutants or []:
+                per[m["patch"]] += m.get("seconds", 0)
+                n[m["patch"]] += 1
+            for patch, secs_ in per.items():
+                short = patch.removesuffix(".patch")[: patch.find("/") + 5]
+                rows.append((f"  {short} ({n[patch]})", f"{secs_:.0f}"))
+    total = sum(int(s[1]) for s in stages if len(s) == 2)
+    rows.append(("total", str(total)))
+    width = max(len(r[0]) for r in rows)
+    return [f"{a.ljust(width)}  {b.rjust(6)}" for a, b in rows]
 
 
 if __name__ == "__main__":

@@ -13,7 +13,12 @@
 # local reruns; not what CI does).
 set -uo pipefail
 cd "$(dirname "$0")/.."
+# Each stage's wall time, for the table in CI's last lines (ci/summary.py).
+mkdir -p build && : > build/stages.tsv
+t=$(date +%s)
+lap() { local now; now=$(date +%s); printf '%s\t%s\n' "$1" $((now - t)) >> build/stages.tsv; t=$now; }
 bash ci/setup.sh || exit 1
+lap set-up
 ci=$PWD/build/ci
 [ -n "${VLLM_PATCHES_CI_WARM:-}" ] || rm -rf "$ci"
 mkdir -p "$ci"
@@ -29,20 +34,25 @@ if [ -z "${VLLM_PATCHES_FETCHED:-}" ] && [ -d ../shared/fixtures/dsv4 ]; then
 fi
 .venv/bin/python apply.py --require-all --json build/report.json 2>&1 | tee build/report.txt
 main=${PIPESTATUS[0]}
+lap "main job"
 # after the main job, so the bases are at hand for the export round-trip
 .venv/bin/python apply.py check
 check=$?
+lap "apply.py check"
 # the docs: commands parse, paths and links exist, the spec is the parser's
 .venv/bin/python ci/docs_check.py 2>&1 | tee build/docs_check.txt
 docs=${PIPESTATUS[0]}
+lap "docs check"
 # every mutant of every patch must be killed by the patch's own tests
 .venv/bin/python apply.py mutants --json build/mutants.json 2>&1 | tee build/mutants.txt
 mutants=${PIPESTATUS[0]}
+lap mutants
 # the tool's tests; the patch tests need a vLLM tree: the main job and the
 # mutants ran them, and the summary's lines, last, say how many
 VLLM_PATCHES_REPORT=build/report.json .venv/bin/python -m pytest -q -ra tests \
   --ignore=tests/patches "$@"
 tests=$?
+lap "tool tests"
 .venv/bin/python ci/summary.py build
 [ "$main" -eq 0 ] || echo "ci/test.sh: the main job failed (exit $main)"
 [ "$check" -eq 0 ] || echo "ci/test.sh: apply.py check failed (exit $check)"

@@ -26,6 +26,8 @@ by editing the tree under test:
 * Platform detection still finds no platform on a CPU-only machine: the
   ``cpu_platform`` fixture installs vLLM's ``CpuPlatform`` for tests that
   need one.
+* Generated (hypothesis) tests draw the same examples everywhere: a fixed
+  seed per test, no example database (the ``vllm-patches`` profile below).
 * ``WorkspaceManager`` calls ``torch.accelerator.empty_cache()`` when it
   grows, which raises on a CPU-only torch: the autouse fixture
   ``_accelerator_empty_cache_noop`` makes it a no-op when no accelerator
@@ -42,9 +44,17 @@ from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import settings
 
 HAS_CUDA = torch.cuda.is_available()
 TREE = os.environ.get("VLLM_TREE", "")
+
+# Generated tests draw the same examples on every machine and run (a seed
+# from each test's source), with no example database: a verdict must not
+# depend on the machine or on what an earlier run happened to find. A
+# test's own @settings refine this profile.
+settings.register_profile("vllm-patches", derandomize=True, database=None)
+settings.load_profile("vllm-patches")
 
 if not HAS_CUDA:
     os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")

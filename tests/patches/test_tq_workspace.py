@@ -922,10 +922,9 @@ def chunked_prompts(draw):
 
 
 @settings(
-    # Random cases on every run (a failure prints its case to reproduce);
-    # few on CPU, where Triton's interpreter is slow.
+    # The same cases on every run (conftest's profile); few on CPU, where
+    # Triton's interpreter is slow.
     max_examples=20 if HAS_CUDA else 6,
-    database=None,
     deadline=None,
     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
 )

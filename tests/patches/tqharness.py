@@ -160,19 +160,39 @@ def use_tree_env(tree: Path) -> None:
     sys.path[0:0] = os.environ["PYTHONPATH"].split(os.pathsep)[:2]
 
 
+# torch.cpu's probes of the host's CPU features that CpuPlatform reads.
+CPU_FEATURE_PROBES = (
+    "_is_avx512_supported",
+    "_is_avx512_bf16_supported",
+    "_is_amx_tile_supported",
+    "_is_amx_fp16_supported",
+)
+
+
 def install_platform(tree: Path, setattr: Any = setattr) -> Any:
     """Install vLLM's platform for the source tree ``tree`` as
     ``current_platform`` (an uninstalled tree detects none: detection reads
     the installed package's metadata). CudaPlatform needs vLLM's compiled
     extensions (``vllm/_C*.so``, ``vllm_flash_attn``): a plain source tree
     runs on CpuPlatform, its tensors and Triton kernels on the GPU all the
-    same. ``setattr`` may be a ``monkeypatch.setattr``, to undo it."""
+    same. ``setattr`` may be a ``monkeypatch.setattr``, to undo it.
+
+    CpuPlatform, standing in, configures by the host's CPU features: with
+    AVX-512 BF16 it stores a Mamba SSM state in float32 instead of the
+    model's dtype (doubling the Mamba page: another hybrid page plan), with
+    AMX it picks other MLA backends. A GPU deployment takes none of those
+    branches, and an outcome must not depend on the machine: the stand-in
+    sees a CPU without them."""
     import vllm.platforms as platforms
 
     if torch.cuda.is_available() and any((Path(tree) / "vllm").glob("_C*.so")):
         from vllm.platforms.cuda import CudaPlatform as Platform
     else:
         from vllm.platforms.cpu import CpuPlatform as Platform  # type: ignore
+
+        for probe in CPU_FEATURE_PROBES:
+            if hasattr(torch.cpu, probe):
+                setattr(torch.cpu, probe, lambda: False)
     platform = Platform()
     setattr(platforms, "_current_platform", platform)
     if torch.accelerator.current_accelerator() is None:
