@@ -43,6 +43,7 @@ from .core import (
     patch_names,
     say,
 )
+from .lanes import TreeRing, in_lanes, lanes
 from .pinned import fetched_dir
 from .runner import PatchResult, apply_stack, positions, preimages, table
 from .series import (
@@ -116,10 +117,8 @@ def lint_mutants(series: Series) -> list[str]:
     return probs
 
 
-def run_mutant(
-    series: Series, wt: Path, commit: str, m: Mutant, tests: list[str], env: dict
-) -> dict:
-    """Apply one mutant to a clean tree at `commit`, run `tests` on it."""
+def run_mutant(series: Series, wt: Path, commit: str, m: Mutant, env: dict) -> dict:
+    """Apply one mutant to a clean tree at `commit`, run its tests on it."""
     git("reset", "-q", "--hard", commit, cwd=wt)
     git("clean", "-fdq", "-e", "__pycache__", cwd=wt)
     t0 = time.monotonic()
@@ -134,7 +133,7 @@ def run_mutant(
     outs, _ = run_tests(
         series.root,
         wt,
-        tests,
+        m.tests,
         env["python"],
         f"mutant {m.name}",
         {
@@ -144,7 +143,7 @@ def run_mutant(
             "VLLM_PATCHES_STOP_AT_KILL": "1",
         },
     )
-    killers = [t for t in tests if outs[t].asserted]
+    killers = [t for t in m.tests if outs[t].asserted]
     worst = aggregate(list(outs.values()))
     res = {"mutant": m.name, "what": m.what, "seconds": round(time.monotonic() - t0, 1)}
     if killers:
@@ -166,7 +165,7 @@ def stack_mutants(
 ) -> list[dict]:
     """Run the mutants of the stack's patches in `wanted`, each on the tree
     at its patch's position (the stack's pinned base plus the patches up to
-    it); VLLM_BASE_TREE is the tree just before it."""
+    it), in lanes (lanes.py); VLLM_BASE_TREE is the tree just before it."""
     try:
         base, pinned = with_pinned_base(
             stack, args.base, user_repo, args.offline, fetched_dir(args)
@@ -176,43 +175,57 @@ def stack_mutants(
         return [{"patch": p, "outcome": "skipped", "reason": e.reason} for p in wanted]
     patches = [load_patch(series, p) for p in stack.patches]
     results = {p.file: PatchResult(p.file) for p in patches}
-    rows = []
     rid = hashlib.sha1(str(git_common_dir(base.repo)).encode()).hexdigest()[:10]
     with locked(rid):
         preimages(stack, patches, base, pinned)
-        # The main job's two worktrees (runner.TreeRing): no others needed.
+        # The main job's worktrees (lanes.TreeRing): no others needed.
         top = worktree(base.repo, f"{stack.name}-at-0", base.commit)
         apply_stack(top, patches, results)
         commits = positions(base.commit, patches, results)
-        for i, p in enumerate(patches):
-            if p.file not in wanted:
-                continue
-            rows += patch_mutants(series, stack, p, base.repo, commits, i, args)
-    return rows
+        return run_stack_mutants(
+            series, stack, patches, (base.repo, commits), wanted, args
+        )
 
 
-def patch_mutants(
+def run_stack_mutants(
     series: Series,
     stack: Stack,
-    p: Patch,
-    repo: Path,
-    commits: list[str],
-    i: int,
+    patches: list[Patch],
+    at: tuple[Path, list[str]],
+    wanted: list[str],
     args: argparse.Namespace,
 ) -> list[dict]:
-    if commits[i + 1] == commits[i]:
-        return [{"patch": p.file, "outcome": "skipped", "reason": "does not apply"}]
-    before = worktree(repo, f"{stack.name}-at-0", commits[i])
-    wt = worktree(repo, f"{stack.name}-at-1", commits[i + 1])
-    env = {"python": test_python(args.python), "base_tree": str(before)}
-    rows = []
-    for m in load_mutants(series, stack, p.file):
-        if args.mutant and m.name not in args.mutant:
+    """Every wanted mutant of the stack, side by side in lanes: each lane
+    moves its own two trees (the patch's and the one before it). `at`: the
+    repository and the commit at each position."""
+    repo, commits = at
+    jobs: list[tuple[int, Patch, Mutant | None]] = []
+    for i, p in enumerate(patches):
+        if p.file not in wanted:
             continue
+        if commits[i + 1] == commits[i]:
+            jobs.append((i, p, None))
+            continue
+        jobs += [
+            (i, p, dataclasses.replace(m, tests=m.tests or p.tests))
+            for m in load_mutants(series, stack, p.file)
+            if not args.mutant or m.name in args.mutant
+        ]
+    n = lanes()
+    rings = [TreeRing(repo, f"{stack.name}-at", None, None, k) for k in range(n)]
+    python = test_python(args.python)
+
+    def run(k: int, job: tuple[int, Patch, Mutant | None]) -> dict:
+        i, p, m = job
+        if m is None:
+            return {"patch": p.file, "outcome": "skipped", "reason": "does not apply"}
+        before = rings[k].at(commits[i], keep=commits[i + 1])
+        wt = rings[k].at(commits[i + 1], keep=commits[i], mutable=True)
+        env = {"python": python, "base_tree": str(before)}
         say(f"apply.py mutants: {p.file}: {m.name}")
-        row = run_mutant(series, wt, commits[i + 1], m, m.tests or p.tests, env)
-        rows.append({"patch": p.file, **row})
-    return rows
+        return {"patch": p.file, **run_mutant(series, wt, commits[i + 1], m, env)}
+
+    return in_lanes(jobs, run, n)
 
 
 def cmd_mutants(args: argparse.Namespace) -> int:

@@ -22,6 +22,7 @@ from .bases import (
     worktree,
 )
 from .core import AM_CONFIG, REF_NS, git, git_common_dir, gout, say
+from .lanes import TreeRing, in_lanes, lanes
 from .pinned import fetched_dir
 from .series import Patch, Series, Stack, check_agreement, load_patch, parse_series
 from .testrun import Outcome, aggregate, run_tests, test_python
@@ -235,14 +236,14 @@ def run_positions(
     expect_fail: dict[int, list[str]] | None = None,
     wall: dict[int, float] | None = None,
 ) -> tuple[dict[int, dict[str, Outcome]], dict[int, str]]:
-    """Run the plan, one pytest run per distinct tree. The tests at a
-    position see the tree just before it as VLLM_BASE_TREE (what an
-    unpatched-vs-patched comparison needs). `top`: a worktree already at
-    the last position. Two worktrees serve every position in turn (a
-    position's tree and the one before it), not one per patch.
-    `expect_fail`: the node ids whose failure is the expected outcome at
-    each position (they are not shrunk); None: every one (verdicts only).
-    `wall`, if given, gets each pytest run's wall seconds by position."""
+    """Run the plan, one pytest run per distinct tree, in lanes (lanes.py:
+    each lane's two worktrees serve its positions in turn, not one per
+    patch). The tests at a position see the tree just before it as
+    VLLM_BASE_TREE (what an unpatched-vs-patched comparison needs). `top`: a
+    worktree already at the last position. `expect_fail`: the node ids whose
+    failure is the expected outcome at each position (they are not shrunk);
+    None: every one (verdicts only). `wall`, if given, gets each pytest
+    run's wall seconds by position."""
     first = {}
     for j, c in enumerate(commits):
         first.setdefault(c, j)
@@ -251,51 +252,30 @@ def run_positions(
     for j, ids in sorted(plan.items()):
         have = ids_at.setdefault(first[commits[j]], [])
         have += [t for t in ids if t not in have]
-        if expect_fail is not None:
-            fails = expect_fail.get(j, [])
-            passing.setdefault(first[commits[j]], set()).update(
-                t for t in ids if t not in fails
-            )
-    ring = TreeRing(repo, key, top, commits[-1])
-    outs: dict[int, dict[str, Outcome]] = {}
-    logs: dict[int, str] = {}
-    for j, ids in ids_at.items():
+        fails = expect_fail.get(j, []) if expect_fail is not None else ids
+        passing.setdefault(first[commits[j]], set()).update(
+            t for t in ids if t not in fails
+        )
+    n = lanes()
+    rings = [TreeRing(repo, key, top, commits[-1], k) for k in range(n)]
+
+    def run(k: int, j: int) -> tuple[dict[str, Outcome], str]:
         t0 = time.monotonic()
-        prev = commits[j - 1] if j > 0 else None
+        ring, prev = rings[k], commits[j - 1] if j > 0 else None
         tree = ring.at(commits[j], keep=prev)
-        fails = [t for t in ids if t not in passing.get(j, ())]
+        fails = [t for t in ids_at[j] if t not in passing[j]]
         extra = {"VLLM_PATCHES_EXPECT_FAIL": "\n".join(fails)}
         if prev is not None:
             extra["VLLM_BASE_TREE"] = str(ring.at(prev, keep=commits[j]))
         label = "unpatched base" if j == 0 else f"with {j} patch(es)"
-        outs[j], logs[j] = run_tests(
-            series.root, tree, ids, python, f"{key}, {label}", extra
-        )
+        got = run_tests(series.root, tree, ids_at[j], python, f"{key}, {label}", extra)
         if wall is not None:
             wall[j] = round(time.monotonic() - t0, 1)
-    return {j: outs[first[commits[j]]] for j in plan}, logs
+        return got
 
-
-class TreeRing:
-    """Two of the tool's worktrees (`key`-0, `key`-1) moved from commit to
-    commit as the positions are run, and `top`, already at `top_commit`."""
-
-    def __init__(self, repo: Path, key: str, top: Path | None, top_commit: str):
-        self.repo, self.key = repo, key
-        self.top, self.top_commit = top, top_commit
-        self.slots: list[tuple[str, Path] | None] = [None, None]
-
-    def at(self, commit: str, keep: str | None) -> Path:
-        """A worktree at `commit`, never moving the one at `keep`."""
-        if self.top is not None and commit == self.top_commit:
-            return self.top
-        for slot in self.slots:
-            if slot is not None and slot[0] == commit:
-                return slot[1]
-        s = 1 if self.slots[0] is not None and self.slots[0][0] == keep else 0
-        path = worktree(self.repo, f"{self.key}-{s}", commit)
-        self.slots[s] = (commit, path)
-        return path
+    done = dict(zip(ids_at, in_lanes(list(ids_at), run, n), strict=True))
+    outs = {j: done[first[commits[j]]][0] for j in plan}
+    return outs, {j: log for j, (_, log) in done.items()}
 
 
 def ran(o: Outcome) -> Outcome:

@@ -5,6 +5,8 @@ the series, and the tree under test is the only vLLM its processes see."""
 
 from __future__ import annotations
 
+import pytest
+
 from conftest import (
     FIXED_ADD,
     MOD_V1,
@@ -145,10 +147,14 @@ def test_patch_judged_at_its_position(fx: Fixture) -> None:
     assert mul["tests"] == "pass"
 
 
-def test_every_position_sees_its_own_trees_in_two_worktrees(fx: Fixture) -> None:
+@pytest.mark.parametrize("jobs", [1, 2])
+def test_every_position_sees_its_own_trees_in_two_worktrees_a_lane(
+    fx: Fixture, jobs: int
+) -> None:
     """Four patches, each raising LEVEL by one: the tests at every position
     see that position's tree as VLLM_TREE and the one before it as
-    VLLM_BASE_TREE, although two worktrees serve all four positions."""
+    VLLM_BASE_TREE, although two worktrees per lane serve all four
+    positions, with one lane or two side by side."""
     (fx.project / "tests" / "patches" / "test_level.py").write_text(
         "import os\nfrom pathlib import Path\n\nimport pytest\n\n\n"
         "def level(var):\n"
@@ -170,13 +176,48 @@ def test_every_position_sees_its_own_trees_in_two_worktrees(fx: Fixture) -> None
                       base="v1.0.0" if k == 1 else None)
         series += name + "\n"
     fx.write_series(series)
-    p, r = run_main(fx)
+    p, r = run_main(fx, env={"VLLM_PATCHES_JOBS": str(jobs)})
     assert p.returncode == 0, p.stdout + p.stderr
     for k in range(1, 5):
         assert r[f"fx/000{k}-level-{k}.patch"]["regression"] == {
             "base": "fail", "patched": "pass"}
     trees = sorted(d.name for d in fx.cache.glob("worktrees/*/fx-at-*"))
-    assert trees == ["fx-at-0", "fx-at-1"]
+    # each lane's two trees, and no others (which lane ran what may vary)
+    assert {"fx-at-0", "fx-at-1"} <= set(trees) <= {
+        f"fx-at-{i}" for i in range(2 * jobs)
+    }
+
+
+def test_expected_failure_is_not_shrunk(fx: Fixture) -> None:
+    """A generated regression test fails on the base: its first failing
+    example is the verdict (shrinking it cost minutes per test in CI), with
+    its signature; patched it passes, and every example runs."""
+    calls = fx.tmp / "calls"
+    (fx.project / "tests" / "patches" / "test_gen.py").write_text(
+        "import pytest\nfrom hypothesis import given, settings\n"
+        "from hypothesis import strategies as st\n\n\n"
+        "@settings(max_examples=30, derandomize=True, database=None)\n"
+        "@given(st.lists(st.integers(0, 10**6), min_size=8))\n"
+        '@pytest.mark.bug_signature(AssertionError, r"^add is wrong")\n'
+        "def test_gen(xs):\n"
+        "    import vllm.mod as m\n\n"
+        f"    with open({str(calls)!r}, 'a') as f:\n"
+        "        f.write('b' if m.add(1, 1) != 2 else 'p')\n"
+        "    assert m.add(sum(xs), 1) == sum(xs) + 1, 'add is wrong'\n"
+    )
+    fx.make_patch("fx/0001-fix-add.patch", {"vllm/mod.py": FIXED_ADD},
+                  "[Core] Fix add", ["tests/patches/test_gen.py::test_gen"],
+                  base="v1.0.0")
+    fx.write_series("#@ stack fx repo=https://example.invalid/vllm tag=v1.0.0\n"
+                    "fx/0001-fix-add.patch\n")
+    p, r = run_main(fx)
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert r["fx/0001-fix-add.patch"]["regression"] == {
+        "base": "fail", "patched": "pass"}
+    # base: the failing example and its replay (shrinking takes dozens);
+    # patched: every example
+    ran = calls.read_text()
+    assert ran.count("b") <= 3 and ran.count("p") == 30, ran
 
 
 def test_later_patch_undoing_a_fix_fails_the_stack(fx: Fixture) -> None:
