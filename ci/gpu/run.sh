@@ -19,7 +19,9 @@
 # the patches that apply there, trees tq33-on-<release> from pack.sh's
 # PACK_RELEASES), variants (issue 28: stage-1 variants of the grouped
 # decode from ci/gpu/variants/, swept side by side), profile (ncu on the
-# grouped decode's stage 1); default the first three. DEADLINE_S (default
+# grouped decode's stage 1), accuracy (issue 35: tq_decode_accuracy.py,
+# v0.33.0's decode, 0009's and 0009 + ci/gpu/proposed/*.diff against
+# float64, then the bench on both grouped trees); default the first three. DEADLINE_S (default
 # 570): every part gets what is left of it, so the summary is always written. Results go to $OUT
 # (tq_cudagraph.json, tq_continuation_bench.json, tests.json, tables.md,
 # logs.tar.gz, run.log); the summary tables are printed last.
@@ -209,6 +211,33 @@ if has decode; then
     tests/patches/test_tq_batches.py tests/patches/test_tq_host_metadata.py \
     --deselect tests/patches/test_tq_host_metadata.py::test_builder_without_cpu_seq_lens
   cat "$OUT/decode/tq_decode_table.md" 2>/dev/null
+fi
+
+if has accuracy; then
+  # issue 35: v0.33.0's decode kernel, 0009's grouped one and 0009 + each
+  # proposal (ci/gpu/proposed/*.diff against tq33-patched's kernel file,
+  # tree tq33-fix) against float64 in one process (ACC_ARGS: shapes, cells;
+  # ACC_BASE: v0.33.0's kernel file when tq33-base is not carried), then
+  # tq_decode_bench.py on tq33-patched and tq33-fix at ACC_BENCH_CELLS.
+  GD=vllm/v1/attention/ops/triton_turboquant_grouped_decode.py
+  rm -rf "${T:?}/tq33-fix"; cp -a $T/tq33-patched $T/tq33-fix
+  for d in ci/gpu/proposed/*.diff; do
+    patch -d $T/tq33-fix -p1 -s < "$d" || echo "== accuracy: $d does not apply"
+  done
+  cap=${ACC_CAP:-360}
+  run accuracy $cap $PY ci/gpu/tq_decode_accuracy.py --tree $T/tq33-patched \
+    --base-kernel "${ACC_BASE:-$T/tq33-base/vllm/v1/attention/ops/triton_turboquant_decode.py}" \
+    --variant fixed=$T/tq33-fix/$GD --out "$OUT/accuracy" --deadline $(( cap - 60 )) \
+    ${ACC_ARGS:-}
+  cp $W/accuracy.log "$OUT/accuracy/" 2>/dev/null
+  for t in ${ACC_BENCH_TREES:-tq33-patched tq33-fix}; do
+    run abench_$t ${ACC_BENCH_CAP:-100} $PY ci/gpu/tq_decode_bench.py --tree $T/$t \
+      --out "$OUT/accuracy/bench_$t" --deadline $(( ${ACC_BENCH_CAP:-100} - 30 )) \
+      --cells "${ACC_BENCH_CELLS:-8x131072,32x131072,128x32768}" \
+      --presets "${ACC_BENCH_PRESETS:-4bit_nc,k8v4}"
+    cp $W/abench_$t.log "$OUT/accuracy/" 2>/dev/null
+  done
+  cat "$OUT"/accuracy/bench_*/tq_decode_table.md "$OUT/accuracy/tq_decode_accuracy.md" 2>/dev/null
 fi
 
 if has variants; then

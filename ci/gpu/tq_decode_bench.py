@@ -284,10 +284,8 @@ class Preset:
     def metadata(self, batch: int, length: int) -> dict:
         """Block table (random blocks), seq_lens, queries and the tree's
         metadata of a decode step of ``batch`` requests of ``length``."""
-        per = length // BLOCK
         g = torch.Generator(device=tqlib.DEVICE).manual_seed(batch * 7 + length)
-        perm = torch.randperm(self.num_blocks - 1, device=tqlib.DEVICE, generator=g)
-        table = (perm[: batch * per] + 1).view(batch, per).to(torch.int32)
+        table = random_table(self.num_blocks, batch, length, BLOCK, g)
         seq_lens = torch.full((batch,), length, dtype=torch.int32, device=tqlib.DEVICE)
         last = table[:, -1].long() * BLOCK + BLOCK - 1
         qsl = torch.arange(batch + 1, dtype=torch.int32)
@@ -303,21 +301,32 @@ class Preset:
                 "meta": self.builder.build(0, cam)}  # fmt: skip
 
 
+def random_table(
+    num_blocks: int, batch: int, length: int, block: int, g: torch.Generator
+) -> torch.Tensor:
+    """A block table of ``batch`` requests of ``length`` tokens at distinct
+    random blocks (block 0 left out)."""
+    per = length // block
+    perm = torch.randperm(num_blocks - 1, device=tqlib.DEVICE, generator=g)
+    return (perm[: batch * per] + 1).view(batch, per).to(torch.int32)
+
+
 def fill_fields(slots: torch.Tensor, cfg) -> None:
     """Finite fields in a cache of random bytes, in place: FP8 keys in
     (-2, 2) (the top exponent bit cleared: no NaN), key norms, value scales
     and zeros as the store gives N(0, 1) inputs."""
     flat = slots.view(-1, slots.shape[2], slots.shape[3])  # the cache itself
+    d, hk = cfg.head_dim, slots.shape[2]
     levels = 2**cfg.effective_value_quant_bits - 1
-    val = cfg.key_packed_size + math.ceil(D * cfg.effective_value_quant_bits / 8)
+    val = cfg.key_packed_size + math.ceil(d * cfg.effective_value_quant_bits / 8)
     step = 1 << 20
     for a in range(0, flat.shape[0], step):
         part = flat[a : a + step]
-        r = torch.rand(part.shape[0], HK, device=part.device)
+        r = torch.rand(part.shape[0], hk, device=part.device)
         if cfg.key_fp8:
-            part[..., :D].bitwise_and_(0xBF)
+            part[..., :d].bitwise_and_(0xBF)
         else:
-            put_fp16(part, cfg.key_packed_size - 2, D**0.5 * (0.75 + r))
+            put_fp16(part, cfg.key_packed_size - 2, d**0.5 * (0.75 + r))
         scale = (4 + 2 * r) / levels
         put_fp16(part, val, scale)
         put_fp16(part, val + 2, -scale * levels / 2)
@@ -334,6 +343,26 @@ def put_fp16(part: torch.Tensor, offset: int, values: torch.Tensor) -> None:
 # --------------------------------------------------------------------------
 
 
+def decode_args(impl, layer, query, slots, table, seq_lens) -> dict:
+    """The arguments both TurboQuant decode launchers take (but Pi, the
+    split count and the buffers) for ``query`` [B, Hq, D] on the cache."""
+    cfg = impl.tq_config
+    return {
+        "query": query,
+        "kv_cache": slots,
+        "block_table": table,
+        "seq_lens": seq_lens,
+        "centroids": layer._tq_centroids,
+        "scale": impl.scale,
+        "mse_bits": cfg.key_mse_bits,
+        "key_packed_size": cfg.key_packed_size,
+        "value_quant_bits": cfg.effective_value_quant_bits,
+        "key_fp8": cfg.key_fp8,
+        "norm_correction": cfg.norm_correction,
+        "PiT": layer._tq_PiT,
+    }
+
+
 def launchers(env, p: Preset, cell: dict, batch: int) -> dict:
     """The calls to time, each a closure over the cell's tensors: both
     launchers with workspace buffers as the decode path takes them, and
@@ -344,21 +373,8 @@ def launchers(env, p: Preset, cell: dict, batch: int) -> dict:
 
     ws = env.workspace.current_workspace_manager()
     q = cell["query"].view(batch, HQ, D)
-    cfg, layer = p.cfg, p.layer
-    common = {
-        "query": q,
-        "kv_cache": p.slots,
-        "block_table": cell["table"],
-        "seq_lens": cell["seq_lens"],
-        "centroids": layer._tq_centroids,
-        "scale": p.impl.scale,
-        "mse_bits": cfg.key_mse_bits,
-        "key_packed_size": cfg.key_packed_size,
-        "value_quant_bits": cfg.effective_value_quant_bits,
-        "key_fp8": cfg.key_fp8,
-        "norm_correction": cfg.norm_correction,
-        "PiT": layer._tq_PiT,
-    }
+    layer = p.layer
+    common = decode_args(p.impl, layer, q, p.slots, cell["table"], cell["seq_lens"])
 
     def buffers(splits: int) -> dict:
         mid, out, lse = ws.get_simultaneous(

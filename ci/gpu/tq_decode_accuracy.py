@@ -1,0 +1,492 @@
+"""TurboQuant decode accuracy at production shapes (issue 35): v0.33.0's
+decode kernel, the grouped split-K kernel of tq-v0.33/0009 and proposed
+variants of it side by side in ONE process, each against float64 attention
+over the K/V decoded from the cache bytes.
+
+The tree (``--tree``, tq33-patched) gives vLLM, the impl, the layer's
+rotation and centroids and the grouped kernel (``0009``). v0.33.0's kernel
+(``up``) is its own module file (``--base-kernel``: v0.33.0's
+``triton_turboquant_decode.py``, sha256 recorded), each variant
+(``--variant NAME=FILE``) a grouped-decode module file, loaded beside them.
+
+Cells: presets x D x GQA (Hk 4, Hq 4 x GQA) x B x L (every request L tokens),
+bf16 queries, block 16; a cache of random bytes with finite norms and
+scales (tq_decode_bench.fill_fields) at random blocks. The grouped kernels
+take the split count the patched forward takes (max_num_seqs 256, 32
+splits reserved a request); v0.33.0's its 32. Error: relative L2 of the
+attention output of up to ``--rows`` requests of the batch (evenly spread;
+every request runs) against the reference, computed on the GPU in float64,
+in chunks of tokens, with an online softmax. Bound per cell and kernel:
+err <= max(1.25 x err_up, err_up + 2e-4). Each kernel is also timed (CUDA
+graph, L2 flushed, median of ``--reps``). The sweep: the grouped kernels
+at forced split counts on one cell (tokens per split from L to L / 128).
+
+    python ci/gpu/tq_decode_accuracy.py --tree T --base-kernel F \\
+        [--variant fixed=F ...] --out DIR [--presets 4bit_nc,k8v4] \\
+        [--dims 128,256] [--gqa 4,16] [--cells 8x131072,...] [--small]
+
+Writes DIR/tq_decode_accuracy.json (after every shape) and
+DIR/tq_decode_accuracy.md (printed last). --small: CPU shapes in Triton's
+interpreter, a sanity run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import importlib.util
+import json
+import math
+import sys
+import time
+import traceback
+from pathlib import Path
+from types import ModuleType
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import torch  # noqa: E402
+import tq_decode_bench as bench  # noqa: E402
+import tqlib  # noqa: E402
+from tqlib import h  # noqa: E402
+
+HK, BLOCK, DTYPE = 4, 16, torch.bfloat16
+MAX_NUM_SEQS, UP_SPLITS = 256, 32
+PRESETS = ("4bit_nc", "k8v4", "3bit_nc", "k3v4_nc")
+DIMS = (256, 128)
+GQAS = (4, 16)
+CELLS = ((1, 131072), (8, 131072), (32, 131072), (128, 32768), (128, 131072))
+SWEEP = ("4bit_nc", 256, 4, (128, 131072))
+SWEEP_SPLITS = (1, 3, 8, 32, 128)
+ROWS, CHUNK, REPS = 8, 16384, 10
+
+
+def parse_args() -> argparse.Namespace:
+    global HK, PRESETS, DIMS, GQAS, CELLS, SWEEP, SWEEP_SPLITS, ROWS, CHUNK, REPS
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tree", required=True)
+    ap.add_argument("--base-kernel", required=True, help="v0.33.0's module file")
+    ap.add_argument("--variant", action="append", default=[], help="NAME=FILE")
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--presets", help="comma list without turboquant_")
+    ap.add_argument("--dims", help="comma list of head sizes")
+    ap.add_argument("--gqa", help="comma list of Hq / Hk")
+    ap.add_argument("--cells", help="BxL,... (requests x tokens)")
+    ap.add_argument("--sweep", help="PRESET:D:GQA:BxL, or 'none'")
+    ap.add_argument("--sweep-splits", help="comma list of split counts")
+    ap.add_argument("--rows", type=int, help="requests checked a cell")
+    ap.add_argument("--reps", type=int, help="timed replays a kernel")
+    ap.add_argument("--deadline", type=float, default=540, help="seconds")
+    ap.add_argument("--small", action="store_true", help="CPU sanity shapes")
+    a = ap.parse_args()
+    if a.small:
+        HK, PRESETS, DIMS, GQAS = 1, ("4bit_nc", "k8v4"), (64,), (4,)
+        CELLS, SWEEP = ((2, 96),), ("4bit_nc", 64, 4, (2, 96))
+        SWEEP_SPLITS, ROWS, CHUNK, REPS = (1, 2), 2, 40, 1
+    PRESETS = tuple(a.presets.split(",")) if a.presets else PRESETS
+    DIMS = tuple(int(x) for x in a.dims.split(",")) if a.dims else DIMS
+    GQAS = tuple(int(x) for x in a.gqa.split(",")) if a.gqa else GQAS
+    if a.cells:
+        CELLS = tuple(bench.parse_cell(c) for c in a.cells.split(","))
+    if a.sweep == "none":
+        SWEEP = None
+    elif a.sweep:
+        p, d, g, cell = a.sweep.split(":")
+        SWEEP = (p, int(d), int(g), bench.parse_cell(cell))
+    if a.sweep_splits:
+        SWEEP_SPLITS = tuple(int(x) for x in a.sweep_splits.split(","))
+    ROWS, REPS = a.rows or ROWS, a.reps or REPS
+    return a
+
+
+# --------------------------------------------------------------------------
+# The kernels: v0.33.0's, 0009's and the variants, as modules
+# --------------------------------------------------------------------------
+
+
+def load_module(name: str, path: str) -> ModuleType:
+    """A kernel module from its file, beside the tree's (its imports
+    resolve in the tree)."""
+    spec = importlib.util.spec_from_file_location(f"tq_accuracy_{name}", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def sha256(path: str | Path) -> str:
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()[:16]
+
+
+def kernels(args, gd: ModuleType) -> tuple[ModuleType, dict, dict]:
+    """v0.33.0's module, {name: grouped module} (0009 first), and where each
+    came from (file, sha256)."""
+    up = load_module("up", args.base_kernel)
+    grouped = {"0009": gd}
+    files = {"up": [args.base_kernel, sha256(args.base_kernel)]}
+    files["0009"] = [gd.__file__, sha256(gd.__file__)]
+    for spec in args.variant:
+        name, path = spec.split("=", 1)
+        grouped[name] = load_module(name, path)
+        files[name] = [path, sha256(path)]
+    return up, grouped, files
+
+
+# --------------------------------------------------------------------------
+# One shape (preset, D, GQA): impl, layer and the float64 decode
+# --------------------------------------------------------------------------
+
+
+class Shape:
+    """The impl and layer (rotation, centroids) of a preset at head size
+    ``d`` with Hq = gqa x HK, and the cache it reads."""
+
+    def __init__(self, env, preset: str, d: int, gqa: int, cache) -> None:
+        self.preset, self.d, self.gqa, self.hq = preset, d, gqa, gqa * HK
+        config = tqlib.make_config(
+            env, hq=self.hq, hk=HK, d=d, preset=f"turboquant_{preset}",
+            block_size=BLOCK, max_num_batched_tokens=8192,
+            max_model_len=max(n for _, n in CELLS) + BLOCK,
+            max_num_seqs=MAX_NUM_SEQS,
+        )  # fmt: skip
+        full = f"turboquant_{preset}"
+        self.impl = tqlib.make_impl(env, config, full, self.hq, HK, d)
+        self.layer = tqlib.make_layer(env, self.impl, d)
+        self.impl._ensure_on_device(self.layer, tqlib.DEVICE)
+        self.cfg, self.cache = self.impl.tq_config, cache
+        self.hadamard = tb().__dict__["_hadamard"](d).to(tqlib.DEVICE)
+        self.centroids = self.layer._tq_centroids.double()
+
+    def dequant(self, raw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K, V (n, Hk, D) float64 of slot bytes ``raw`` (n, Hk, slot) on the
+        device: tqbatches.dequant's decoding, its Hadamard on the device."""
+        t, cfg, d = tb(), self.cfg, self.d
+        b = raw.to(torch.int32)
+        if cfg.key_fp8:
+            k = raw[..., :d].contiguous().view(torch.float8_e4m3fn).double()
+        else:
+            mse = math.ceil(d * cfg.key_mse_bits / 8)
+            c = self.centroids[t._unpack(b, 0, cfg.key_mse_bits, d).long()]
+            if cfg.norm_correction:
+                c = c / torch.sqrt((c * c).sum(-1, keepdim=True) + 1e-16)
+            k = (t._f16(raw[..., mse : mse + 2]).unsqueeze(-1) * c) @ self.hadamard
+        base, bits = cfg.key_packed_size, cfg.effective_value_quant_bits
+        nbytes = math.ceil(d * bits / 8)
+        idx = t._unpack(b, base, bits, d).double()
+        scale = t._f16(raw[..., base + nbytes : base + nbytes + 2]).unsqueeze(-1)
+        zero = t._f16(raw[..., base + nbytes + 2 : base + nbytes + 4]).unsqueeze(-1)
+        return k, idx * scale + zero
+
+    def reference(self, q: torch.Tensor, table_row: torch.Tensor, n: int):
+        """Float64 attention of one request's query (Hq, D) over its ``n``
+        tokens, in chunks of CHUNK tokens with an online softmax."""
+        qq = q.double().view(HK, self.gqa, self.d)
+        m = torch.full((HK, self.gqa, 1), -math.inf, dtype=torch.float64,
+                       device=q.device)  # fmt: skip
+        l_sum = torch.zeros_like(m)
+        acc = torch.zeros_like(qq)
+        for a in range(0, n, CHUNK):
+            pos = torch.arange(a, min(n, a + CHUNK), device=q.device)
+            blocks = table_row[pos // BLOCK].long()
+            k, v = self.dequant(self.cache.slots[blocks, pos % BLOCK])
+            s = torch.einsum("hgd,thd->hgt", qq, k) * self.impl.scale
+            m_new = torch.maximum(m, s.amax(-1, keepdim=True))
+            p = torch.exp(s - m_new)
+            alpha = torch.exp(m - m_new)
+            l_sum = l_sum * alpha + p.sum(-1, keepdim=True)
+            acc = acc * alpha + torch.einsum("hgt,thd->hgd", p, v)
+            m = m_new
+        return (acc / l_sum).reshape(self.hq, self.d)
+
+
+def tb() -> ModuleType:
+    import tqbatches
+
+    return tqbatches
+
+
+def dequant_matches_harness(shape: Shape) -> float:
+    """Max |difference| between Shape.dequant and tqbatches.dequant (the
+    tests' CPU float64 decoding) over the slots of a small cache."""
+    small = h.new_tq_kv_cache(
+        3, BLOCK, HK, shape.d, f"turboquant_{shape.preset}", generator=None,
+        device=tqlib.DEVICE,
+    )  # fmt: skip
+    bench.fill_fields(small.slots, shape.cfg)
+    ids = torch.arange(BLOCK, 3 * BLOCK)
+    k0, v0 = tb().dequant(small.slots, ids, shape.cfg, shape.layer._tq_centroids)
+    raw = small.slots.reshape(-1, HK, small.slots.shape[-1])[ids.to(tqlib.DEVICE)]
+    k1, v1 = shape.dequant(raw)
+    return float(max((k1.cpu() - k0).abs().max(), (v1.cpu() - v0).abs().max()))
+
+
+# --------------------------------------------------------------------------
+# One cell: every kernel's output and time, the reference of sampled rows
+# --------------------------------------------------------------------------
+
+
+def tokens_per_split(length: int, splits: int, block_kv: int) -> int:
+    """Tokens one program walks (the grouped kernels' split length)."""
+    return math.ceil(math.ceil(length / splits) / block_kv) * block_kv
+
+
+def sampled_rows(batch: int) -> list[int]:
+    if batch <= ROWS:
+        return list(range(batch))
+    return sorted({round(i * (batch - 1) / (ROWS - 1)) for i in range(ROWS)})
+
+
+class Cell:
+    """A decode step of ``batch`` requests of ``length`` tokens: inputs,
+    buffers for either kernel, the float64 reference of sampled rows."""
+
+    def __init__(self, shape: Shape, num_blocks: int, batch: int, length: int):
+        self.shape, self.batch, self.length = shape, batch, length
+        g = torch.Generator(device=tqlib.DEVICE).manual_seed(batch * 7 + length)
+        table = bench.random_table(num_blocks, batch, length, BLOCK, g)
+        seq_lens = torch.full((batch,), length, dtype=torch.int32, device=tqlib.DEVICE)
+        q = tqlib.rand((batch, shape.hq, shape.d), DTYPE, g)
+        self.args = bench.decode_args(
+            shape.impl, shape.layer, q, shape.cache.slots, table, seq_lens
+        )
+        self.rows = sampled_rows(batch)
+        t0 = time.time()
+        self.ref = torch.stack(
+            [shape.reference(q[r], table[r], length) for r in self.rows]
+        )
+        self.ref_s = time.time() - t0
+
+    def buffers(self, splits: int) -> dict:
+        b, hq, d = self.batch, self.shape.hq, self.shape.d
+        dev = tqlib.DEVICE
+        return {
+            "mid_o_buf": torch.empty(b, hq, splits, d + 1, device=dev),
+            "output_buf": torch.empty(b, hq, d, dtype=DTYPE, device=dev),
+            "lse_buf": torch.empty(b, hq, device=dev),
+        }
+
+    def measure(self, fn, flush) -> dict:
+        """Run ``fn`` (returns the output), its errors on the sampled rows,
+        then its time."""
+        out = fn().clone()
+        got = out[self.rows].double()
+        diff = got - self.ref
+        res = {
+            "err": float(diff.norm() / self.ref.norm()),
+            "max_abs": float(diff.abs().max()),
+            "finite": bool(torch.isfinite(got).all()),
+        }
+        try:
+            res["ms"] = bench.graph_time(fn, flush, REPS)["median_ms"]
+        except Exception as e:  # the error is what counts: record, go on
+            res["time_error"] = f"{type(e).__name__}: {e}"[:200]
+        return res
+
+    def up(self, module: ModuleType, flush) -> dict:
+        bufs = self.buffers(UP_SPLITS)
+        layer = self.shape.layer
+
+        def fn():
+            return module.triton_turboquant_decode_attention(
+                Pi=layer._tq_Pi, max_num_kv_splits=UP_SPLITS, **bufs, **self.args
+            )
+
+        res = self.measure(fn, flush)
+        res.update(splits=UP_SPLITS, tokens_per_split=math.ceil(self.length / 32))
+        return res
+
+    def grouped(self, module: ModuleType, splits: int, flush) -> dict:
+        bufs = self.buffers(splits)
+
+        def fn():
+            return module.triton_turboquant_grouped_decode_attention(
+                num_kv_splits=splits, **bufs, **self.args
+            )
+
+        res = self.measure(fn, flush)
+        cfg = self.shape.cfg
+        bkv = module._config(
+            cfg.key_fp8, cfg.key_mse_bits, cfg.effective_value_quant_bits
+        )[0]
+        res.update(splits=splits, tokens_per_split=tokens_per_split(
+            self.length, splits, bkv))  # fmt: skip
+        return res
+
+
+def forward_splits(gd: ModuleType, batch: int) -> int:
+    """The split count the patched forward takes for ``batch`` requests."""
+    budget = MAX_NUM_SEQS * UP_SPLITS // max(batch, 1)
+    return gd.grouped_decode_num_splits(batch, HK, budget, tqlib.DEVICE)
+
+
+def bound(err_up: float) -> float:
+    return max(1.25 * err_up, err_up + 2e-4)
+
+
+def run_cell(env, shape: Shape, num_blocks: int, batch: int, length: int,
+             splits: int | None = None) -> dict:  # fmt: skip
+    """Every kernel on one cell; ``splits`` forces the grouped kernels'."""
+    cell = Cell(shape, num_blocks, batch, length)
+    row = {"preset": shape.preset, "D": shape.d, "GQA": shape.gqa, "B": batch,
+           "L": length, "rows": cell.rows, "ref_s": cell.ref_s}  # fmt: skip
+    row["up"] = cell.up(env.up, env.flush)
+    limit = bound(row["up"]["err"])
+    for name, module in env.grouped.items():
+        s = splits or forward_splits(env.gd, batch)
+        res = cell.grouped(module, s, env.flush)
+        res["within_bound"] = bool(res["finite"] and res["err"] <= limit)
+        row[name] = res
+    row["bound"] = limit
+    print("  " + brief(row), flush=True)
+    del cell
+    return row
+
+
+def brief(row: dict) -> str:
+    parts = [f"{row['preset']} D{row['D']} G{row['GQA']} {row['B']}x{row['L']}"]
+    for name in ["up", *(k for k in row if isinstance(row.get(k), dict)
+                         and k != "up")]:  # fmt: skip
+        r = row[name]
+        parts.append(f"{name} S{r['splits']} err {r['err']:.2e} "
+                     f"{r.get('ms', float('nan')):.3f} ms")  # fmt: skip
+    return ", ".join(parts)
+
+
+# --------------------------------------------------------------------------
+# Driver
+# --------------------------------------------------------------------------
+
+
+def fitting(preset: str, d: int, cells: list) -> tuple[list, int]:
+    """The cells whose cache fits the free memory less 8 GiB (buffers, the
+    reference's chunks, the flush), and the blocks of the largest."""
+    slot = h.tq_slot_size(f"turboquant_{preset}", d)
+    free = torch.cuda.mem_get_info()[0] - (8 << 30) if tqlib.HAS_CUDA else 1 << 40
+    fits = [c for c in cells if c[0] * c[1] * HK * slot <= free]
+    tokens = max((b * n for b, n in fits), default=0)
+    return fits, tokens // BLOCK + 1
+
+
+def run_dim_preset(env, d: int, preset: str, res: dict, t_end: float) -> None:
+    """Every GQA and cell of one (head size, preset) on one cache."""
+    cells = list(CELLS)
+    sweep = SWEEP if SWEEP and SWEEP[:2] == (preset, d) else None
+    fits, num_blocks = fitting(preset, d, cells + ([sweep[3]] if sweep else []))
+    for c in cells:
+        if c not in fits:
+            res["not_run"].append([preset, d, None, *c, "memory"])
+    if not fits:
+        return
+    full = f"turboquant_{preset}"
+    cache = h.new_tq_kv_cache(num_blocks, BLOCK, HK, d, full, generator=None,
+                              device=tqlib.DEVICE)  # fmt: skip
+    bench.fill_fields(cache.slots, h.tq_config(full, d))
+    for gqa in GQAS:
+        if time.time() > t_end:
+            res["not_run"] += [[preset, d, gqa, *c, "deadline"] for c in fits]
+            continue
+        t0 = time.time()
+        shape = Shape(env, preset, d, gqa, cache)
+        key = f"{preset}/D{d}"
+        if key not in res["dequant_vs_harness"]:
+            res["dequant_vs_harness"][key] = dequant_matches_harness(shape)
+        for b, n in cells:
+            if (b, n) not in fits:
+                continue
+            if time.time() > t_end:
+                res["not_run"].append([preset, d, gqa, b, n, "deadline"])
+                continue
+            row = guarded(res, run_cell, env, shape, num_blocks, b, n)
+            res["rows"] += [row] if row else []
+        if sweep and sweep[2] == gqa and sweep[3] in fits:
+            for s in SWEEP_SPLITS:
+                if time.time() < t_end:
+                    row = guarded(res, run_cell, env, shape, num_blocks, *sweep[3], s)
+                    res["sweep"] += [row] if row else []
+        res["shape_s"][f"{key}/G{gqa}"] = time.time() - t0
+        del shape
+        write(res, env.out)
+    del cache
+    if tqlib.HAS_CUDA:
+        torch.cuda.empty_cache()
+
+
+def guarded(res: dict, fn, *args):
+    """``fn(*args)``; an exception (a kernel that cannot launch at this
+    shape) is recorded and the run goes on (None)."""
+    try:
+        return fn(*args)
+    except Exception:
+        res["errors"].append(traceback.format_exc()[-2000:])
+        print(res["errors"][-1], flush=True)
+        return None
+
+
+def write(res: dict, out: Path) -> str:
+    (out / "tq_decode_accuracy.json").write_text(json.dumps(res, indent=1))
+    text = table(res)
+    (out / "tq_decode_accuracy.md").write_text(text)
+    return text
+
+
+def table(res: dict) -> str:
+    names = res["kernels"]
+    head = ("| preset | D | GQA | B x L | splits | tokens/split | "
+            + " | ".join(f"err {n}" for n in names) + " | bound | "
+            + " | ".join(f"ms {n}" for n in names) + " |")  # fmt: skip
+    title = (f"### TurboQuant decode: relative L2 error against float64 "
+             f"({res['device'].get('device')}, Hk {res['Hk']}, bf16, block "
+             f"{BLOCK}; within bound: ok / NO)")  # fmt: skip
+    lines = [title, "", head, "|" + "---|" * (7 + 2 * len(names))]
+    for tag, rows in (("", res["rows"]), ("sweep ", res["sweep"])):
+        for r in rows:
+            g = r[names[1]]
+            errs = [f"{r[n]['err']:.2e}" + ("" if n == "up" else (
+                " ok" if r[n]["within_bound"] else " NO")) for n in names]  # fmt: skip
+            ms = [f"{r[n]['ms']:.3f}" if "ms" in r[n] else "-" for n in names]
+            lines.append(
+                f"| {tag}{r['preset']} | {r['D']} | {r['GQA']} | {r['B']} x "
+                f"{r['L']} | {g['splits']} | {g['tokens_per_split']} | "
+                + " | ".join(errs)
+                + f" | {r['bound']:.2e} | "
+                + " | ".join(ms)
+                + " |"
+            )
+    bad = [r for r in res["rows"] + res["sweep"] for n in names[1:]
+           if not r[n]["within_bound"]]  # fmt: skip
+    lines += ["", (f"cells: {len(res['rows'])} + sweep {len(res['sweep'])}; "
+              f"(kernel, cell) pairs over the bound: {len(bad)}; not run: "
+              f"{len(res['not_run'])}; errors: {len(res['errors'])}"),
+              (f"dequant vs tqbatches.dequant (max abs): "
+               f"{json.dumps(res['dequant_vs_harness'])}")]  # fmt: skip
+    return "\n".join(lines) + "\n"
+
+
+def main() -> int:
+    args = parse_args()
+    t_end = time.time() + args.deadline
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    env = tqlib.use_tree(args.tree)
+    import vllm.v1.attention.ops.triton_turboquant_grouped_decode as gd
+
+    env.gd, env.out = gd, out
+    env.up, env.grouped, files = kernels(args, gd)
+    env.flush = torch.empty(bench.FLUSH_BYTES if tqlib.HAS_CUDA else 1 << 20,
+                            dtype=torch.uint8, device=tqlib.DEVICE)  # fmt: skip
+    res = {
+        "device": tqlib.device_info(), "tree": str(env.tree), "files": files,
+        "kernels": ["up", *env.grouped], "Hk": HK, "block": BLOCK,
+        "max_num_seqs": MAX_NUM_SEQS, "rows_checked": ROWS, "reps": REPS,
+        "argv": sys.argv[1:], "rows": [], "sweep": [], "not_run": [],
+        "errors": [], "shape_s": {}, "dequant_vs_harness": {},
+    }  # fmt: skip
+    for d in DIMS:
+        for preset in PRESETS:
+            guarded(res, run_dim_preset, env, d, preset, res, t_end)
+    text = write(res, out)
+    print(text)
+    return 0 if not res["errors"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
