@@ -165,13 +165,13 @@ class Shape:
             k = raw[..., :d].contiguous().view(torch.float8_e4m3fn).double()
         else:
             mse = math.ceil(d * cfg.key_mse_bits / 8)
-            c = self.centroids[t._unpack(b, 0, cfg.key_mse_bits, d).long()]
+            c = self.centroids[unpack(b, 0, cfg.key_mse_bits, d).long()]
             if cfg.norm_correction:
                 c = c / torch.sqrt((c * c).sum(-1, keepdim=True) + 1e-16)
             k = (t._f16(raw[..., mse : mse + 2]).unsqueeze(-1) * c) @ self.hadamard
         base, bits = cfg.key_packed_size, cfg.effective_value_quant_bits
         nbytes = math.ceil(d * bits / 8)
-        idx = t._unpack(b, base, bits, d).double()
+        idx = unpack(b, base, bits, d).double()
         scale = t._f16(raw[..., base + nbytes : base + nbytes + 2]).unsqueeze(-1)
         zero = t._f16(raw[..., base + nbytes + 2 : base + nbytes + 4]).unsqueeze(-1)
         return k, idx * scale + zero
@@ -196,6 +196,15 @@ class Shape:
             acc = acc * alpha + torch.einsum("hgt,thd->hgd", p, v)
             m = m_new
         return (acc / l_sum).reshape(self.hq, self.d)
+
+
+def unpack(b: torch.Tensor, base: int, bits: int, head: int) -> torch.Tensor:
+    """tqbatches._unpack with its offsets on ``b``'s device (the harness
+    builds them on the CPU): ``head`` little-endian ``bits``-bit codes from
+    byte ``base``."""
+    off = torch.arange(head, device=b.device) * bits
+    word = b[..., base + off // 8] | (b[..., base + off // 8 + 1] << 8)
+    return (word >> (off % 8)) & ((1 << bits) - 1)
 
 
 def tb() -> ModuleType:
