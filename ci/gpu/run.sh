@@ -224,13 +224,19 @@ if has accuracy; then
   for d in ci/gpu/proposed/*.diff; do
     patch -d $T/tq33-fix -p1 -s < "$d" || echo "== accuracy: $d does not apply"
   done
+  # ACC_VARIANTS: ci/gpu/variants/NAME.diff each beside them (tree tq33-var-NAME)
+  vargs="--variant fixed=$T/tq33-fix/$GD"
+  for v in ${ACC_VARIANTS:-}; do
+    rm -rf "${T:?}/tq33-var-$v"; cp -a $T/tq33-patched $T/tq33-var-$v
+    patch -d $T/tq33-var-$v -p1 -s < ci/gpu/variants/$v.diff \
+      && vargs="$vargs --variant $v=$T/tq33-var-$v/$GD" || echo "== accuracy: $v does not apply"
+  done
   cap=${ACC_CAP:-360}
   run accuracy $cap $PY ci/gpu/tq_decode_accuracy.py --tree $T/tq33-patched \
     --base-kernel "${ACC_BASE:-$T/tq33-base/vllm/v1/attention/ops/triton_turboquant_decode.py}" \
-    --variant fixed=$T/tq33-fix/$GD --out "$OUT/accuracy" --deadline $(( cap - 60 )) \
-    ${ACC_ARGS:-}
+    $vargs --out "$OUT/accuracy" --deadline $(( cap - 60 )) ${ACC_ARGS:-}
   cp $W/accuracy.log "$OUT/accuracy/" 2>/dev/null
-  for t in ${ACC_BENCH_TREES:-tq33-patched tq33-fix}; do
+  for t in ${ACC_BENCH_TREES-tq33-patched tq33-fix}; do
     run abench_$t ${ACC_BENCH_CAP:-100} $PY ci/gpu/tq_decode_bench.py --tree $T/$t \
       --out "$OUT/accuracy/bench_$t" --deadline $(( ${ACC_BENCH_CAP:-100} - 30 )) \
       --cells "${ACC_BENCH_CELLS:-8x131072,32x131072,128x32768}" \

@@ -341,7 +341,12 @@ def run_cell(env, shape: Shape, num_blocks: int, batch: int, length: int,
     limit = bound(row["up"]["err"])
     for name, module in env.grouped.items():
         s = splits or forward_splits(env.gd, batch)
-        res = cell.grouped(module, s, env.flush)
+        try:
+            res = cell.grouped(module, s, env.flush)
+        except Exception as e:  # e.g. Triton's OutOfResources: recorded
+            msg = f"{type(e).__name__}: {e}"[:400]
+            res = {"err": math.nan, "splits": s, "tokens_per_split": None,
+                   "finite": False, "error": msg}  # fmt: skip
         res["within_bound"] = bool(res["finite"] and res["err"] <= limit)
         row[name] = res
     row["bound"] = limit
@@ -395,6 +400,7 @@ def run_dim_preset(env, d: int, preset: str, res: dict, t_end: float) -> None:
             continue
         t0 = time.time()
         shape = Shape(env, preset, d, gqa, cache)
+        seen = compiled_stage1(env, None)
         key = f"{preset}/D{d}"
         if key not in res["dequant_vs_harness"]:
             res["dequant_vs_harness"][key] = dequant_matches_harness(shape)
@@ -412,11 +418,30 @@ def run_dim_preset(env, d: int, preset: str, res: dict, t_end: float) -> None:
                     row = guarded(res, run_cell, env, shape, num_blocks, *sweep[3], s)
                     res["sweep"] += [row] if row else []
         res["shape_s"][f"{key}/G{gqa}"] = time.time() - t0
+        res["compiled"][f"{key}/G{gqa}"] = compiled_stage1(env, seen)
         del shape
         write(res, env.out)
     del cache
     if tqlib.HAS_CUDA:
         torch.cuda.empty_cache()
+
+
+def compiled_stage1(env, seen: dict | None) -> dict:
+    """Per kernel module, [shared memory bytes, registers, spills] of each
+    stage 1 that Triton compiled (from its per-device cache), less the
+    first ``seen[name]`` of them; {} where the cache's layout differs."""
+    mods = {"up": (env.up, "_tq_decode_stage1")}
+    mods |= {n: (m, "_tq_grouped_decode_stage1") for n, m in env.grouped.items()}
+    out = {}
+    for name, (module, fn) in mods.items():
+        try:
+            caches = getattr(module, fn).device_caches.values()
+            stats = [[k.metadata.shared, k.n_regs, k.n_spills]
+                     for c in caches for k in c[0].values()]  # fmt: skip
+        except (AttributeError, IndexError, TypeError):
+            return {}
+        out[name] = stats if seen is None else stats[len(seen.get(name, [])) :]
+    return out
 
 
 def guarded(res: dict, fn, *args):
@@ -462,11 +487,15 @@ def table(res: dict) -> str:
             )
     bad = [r for r in res["rows"] + res["sweep"] for n in names[1:]
            if not r[n]["within_bound"]]  # fmt: skip
+    failed = sorted({f"{r['preset']} D{r['D']} G{r['GQA']} {n}: {r[n]['error']}"
+                     for r in res["rows"] + res["sweep"] for n in names[1:]
+                     if "error" in r[n]})  # fmt: skip
     lines += ["", (f"cells: {len(res['rows'])} + sweep {len(res['sweep'])}; "
               f"(kernel, cell) pairs over the bound: {len(bad)}; not run: "
               f"{len(res['not_run'])}; errors: {len(res['errors'])}"),
               (f"dequant vs tqbatches.dequant (max abs): "
                f"{json.dumps(res['dequant_vs_harness'])}")]  # fmt: skip
+    lines += [f"launch failed: {x}" for x in failed]
     return "\n".join(lines) + "\n"
 
 
@@ -487,7 +516,7 @@ def main() -> int:
         "kernels": ["up", *env.grouped], "Hk": HK, "block": BLOCK,
         "max_num_seqs": MAX_NUM_SEQS, "rows_checked": ROWS, "reps": REPS,
         "argv": sys.argv[1:], "rows": [], "sweep": [], "not_run": [],
-        "errors": [], "shape_s": {}, "dequant_vs_harness": {},
+        "errors": [], "shape_s": {}, "dequant_vs_harness": {}, "compiled": {},
     }  # fmt: skip
     for d in DIMS:
         for preset in PRESETS:
