@@ -436,10 +436,12 @@ def compiled_stage1(env, seen: dict | None) -> dict:
     for name, (module, fn) in mods.items():
         try:
             caches = getattr(module, fn).device_caches.values()
-            stats = [[k.metadata.shared, k.n_regs, k.n_spills]
-                     for c in caches for k in c[0].values()]  # fmt: skip
+            kernels = [k for c in caches for k in c[0].values()]
         except (AttributeError, IndexError, TypeError):
             return {}
+        # A kernel that failed to launch (OutOfResources) has no registers.
+        stats = [[k.metadata.shared, getattr(k, "n_regs", None),
+                  getattr(k, "n_spills", None)] for k in kernels]  # fmt: skip
         out[name] = stats if seen is None else stats[len(seen.get(name, [])) :]
     return out
 
