@@ -346,20 +346,12 @@ def put_fp16(part: torch.Tensor, offset: int, values: torch.Tensor) -> None:
 def decode_args(impl, layer, query, slots, table, seq_lens) -> dict:
     """The arguments both TurboQuant decode launchers take (but Pi, the
     split count and the buffers) for ``query`` [B, Hq, D] on the cache."""
-    cfg = impl.tq_config
     return {
         "query": query,
         "kv_cache": slots,
         "block_table": table,
         "seq_lens": seq_lens,
-        "centroids": layer._tq_centroids,
-        "scale": impl.scale,
-        "mse_bits": cfg.key_mse_bits,
-        "key_packed_size": cfg.key_packed_size,
-        "value_quant_bits": cfg.effective_value_quant_bits,
-        "key_fp8": cfg.key_fp8,
-        "norm_correction": cfg.norm_correction,
-        "PiT": layer._tq_PiT,
+        **h.decode_params(layer, impl),
     }
 
 

@@ -699,7 +699,7 @@ def decode_kernels(
         triton_turboquant_decode_attention,
     )
 
-    cfg, cam = impl.tq_config, batch.cam
+    cam = batch.cam
     q = batch.query.view(-1, impl.num_heads, impl.head_size)
     q = torch.cat([q, torch.randn_like(q[:1]).expand(pad, -1, -1)])
     table = cam.block_table_tensor
@@ -708,14 +708,7 @@ def decode_kernels(
         "kv_cache": batch.kv_slots,
         "block_table": torch.cat([table, table[:1].expand(pad, -1)]),
         "seq_lens": torch.cat([cam.seq_lens, cam.seq_lens.new_zeros(pad)]),
-        "centroids": layer._tq_centroids,
-        "scale": impl.scale,
-        "mse_bits": cfg.key_mse_bits,
-        "key_packed_size": cfg.key_packed_size,
-        "value_quant_bits": cfg.effective_value_quant_bits,
-        "key_fp8": cfg.key_fp8,
-        "norm_correction": cfg.norm_correction,
-        "PiT": layer._tq_PiT,
+        **h.decode_params(layer, impl),
     }
     old = triton_turboquant_decode_attention(
         Pi=layer._tq_Pi, max_num_kv_splits=old_splits, **args

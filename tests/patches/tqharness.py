@@ -201,6 +201,22 @@ def install_platform(tree: Path, setattr: Any = setattr) -> Any:
     return platform
 
 
+def decode_params(layer: Any, impl: Any) -> dict[str, Any]:
+    """The TurboQuant decode launchers' arguments that come from the layer
+    and its config (v0.33.0's kernel and the grouped one take the same)."""
+    cfg = impl.tq_config
+    return {
+        "centroids": layer._tq_centroids,
+        "scale": impl.scale,
+        "mse_bits": cfg.key_mse_bits,
+        "key_packed_size": cfg.key_packed_size,
+        "value_quant_bits": cfg.effective_value_quant_bits,
+        "key_fp8": cfg.key_fp8,
+        "norm_correction": cfg.norm_correction,
+        "PiT": layer._tq_PiT,
+    }
+
+
 def write_tiny_model(
     path: Path,
     *,
