@@ -273,7 +273,10 @@ def run_positions(
             wall[j] = round(time.monotonic() - t0, 1)
         return got
 
-    done = dict(zip(ids_at, in_lanes(list(ids_at), run, n), strict=True))
+    # the runs with the most node ids first: the longest ones do not come
+    # last, with the other lanes idle
+    order = sorted(ids_at, key=lambda j: -len(ids_at[j]))
+    done = dict(zip(order, in_lanes(order, run, n), strict=True))
     outs = {j: done[first[commits[j]]][0] for j in plan}
     return outs, {j: log for j, (_, log) in done.items()}
 
