@@ -11,6 +11,9 @@ import sys
 from collections import Counter
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from applylib.series import short_name
+
 
 def load(path: Path, key: str) -> list[dict] | None:
     try:
@@ -87,8 +90,7 @@ def stage_table(
                 per[m["patch"]] += m.get("seconds", 0)
                 n[m["patch"]] += 1
             for patch, secs_ in per.items():
-                short = patch.removesuffix(".patch")[: patch.find("/") + 5]
-                rows.append((f"  {short} ({n[patch]})", f"{secs_:.0f}"))
+                rows.append((f"  {short_name(patch)} ({n[patch]})", f"{secs_:.0f}"))
     total = sum(int(s[1]) for s in stages if len(s) == 2)
     rows.append(("total", str(total)))
     width = max(len(r[0]) for r in rows)

@@ -47,11 +47,10 @@ lap "docs check"
 .venv/bin/python apply.py mutants --json build/mutants.json 2>&1 | tee build/mutants.txt
 mutants=${PIPESTATUS[0]}
 lap mutants
-# the tool's tests, one file per worker, a worker per core (at most 4, as
-# apply.py's lanes); the patch tests need a vLLM tree: the main job and the
-# mutants ran them, and the summary's lines, last, say how many
-jobs=${VLLM_PATCHES_JOBS:-$(nproc)}
-[ "$jobs" -le 4 ] || jobs=4
+# the tool's tests, one file per worker, as many workers as apply.py's lanes;
+# the patch tests need a vLLM tree: the main job and the mutants ran them,
+# and the summary's lines, last, say how many
+jobs=$(.venv/bin/python -c 'from applylib.lanes import lanes; print(lanes())') || exit 2
 VLLM_PATCHES_REPORT=build/report.json .venv/bin/python -m pytest -q -ra tests \
   --ignore=tests/patches -n "$jobs" --dist loadfile "$@"
 tests=$?
