@@ -221,11 +221,13 @@ if has accuracy; then
   # tq_decode_bench.py on tq33-patched and tq33-fix at ACC_BENCH_CELLS.
   GD=vllm/v1/attention/ops/triton_turboquant_grouped_decode.py
   rm -rf "${T:?}/tq33-fix"; cp -a $T/tq33-patched $T/tq33-fix
+  vargs=""
   for d in ci/gpu/proposed/*.diff; do
-    patch -d $T/tq33-fix -p1 -s < "$d" || echo "== accuracy: $d does not apply"
+    [ -e "$d" ] || continue
+    patch -d $T/tq33-fix -p1 -s -N < "$d" && vargs="--variant fixed=$T/tq33-fix/$GD" \
+      || echo "== accuracy: $d does not apply"
   done
   # ACC_VARIANTS: ci/gpu/variants/NAME.diff each beside them (tree tq33-var-NAME)
-  vargs="--variant fixed=$T/tq33-fix/$GD"
   for v in ${ACC_VARIANTS:-}; do
     rm -rf "${T:?}/tq33-var-$v"; cp -a $T/tq33-patched $T/tq33-var-$v
     patch -d $T/tq33-var-$v -p1 -s < ci/gpu/variants/$v.diff \

@@ -14,6 +14,9 @@ back from the bytes, ``tqbatches.dequant``) no worse than v0.33.0's kernel
 at every shape, for every preset; the same bits on the same inputs and
 after a CUDA-graph style capture and refill; within the workspace the
 builder reserves before the lock; and its split count from host sizes only.
+Its error does not grow with the tokens one split walks, with ``tl.dot``
+rounding as the tensor cores do (``tqharness.tensor_core_dots``), and the
+backend takes it only where it was measured right and faster.
 
 Small shapes: on CPU every Triton kernel runs in the interpreter.
 """
@@ -41,6 +44,8 @@ PRESETS = {
     "k3v4_nc": "turboquant_k3v4_nc",
 }
 READS = r"^each KV head's bytes are read by \d+ programs per decode step"
+GROUPED_LAUNCHER = "triton_turboquant_grouped_decode_attention"
+LONG_SPLIT = r"^grouped decode error grows with the tokens a split walks"
 
 
 @pytest.fixture(scope="module", params=list(PRESETS))
@@ -226,8 +231,43 @@ def test_matches_reference_no_worse_than_v0_33(shape_env) -> None:
         f"(output rounding {tb.half_ulp(new.dtype, want):.3g})"
     )
     assert torch.equal(new[-1], torch.zeros_like(new[-1])), "padding row not zero"
-    _, again = tb.decode_kernels(impl, layer, batch, splits, pad=1, old_splits=1)
+    _, again = tb.decode_kernels(impl, layer, batch, splits, pad=1, old_splits=None)
     assert torch.equal(again[:-1], new[:-1]), "same inputs, other bits"
+
+
+@pytest.mark.cpu_only  # Triton's interpreter, with the tensor cores' rounding
+@pytest.mark.bug_signature(AssertionError, LONG_SPLIT)
+def test_long_split_error_flat(vllm_tree: Path, tmp_path: Path) -> None:
+    """The error does not grow with the tokens one program walks: 8K tokens
+    of one request in one split against the same in 128 splits of one tile,
+    with the interpreter's dots rounding as the tensor cores do
+    (``tqharness.tensor_core_dots``). An MMA accumulating into a running sum
+    truncates a one-signed sum (value code x scale) by about 2**-25 of itself
+    each 16 tokens; the zero point then cancels most of it (on an H100 at
+    128 x 128K, 3 splits: 20x v0.33.0's error)."""
+    tokens, tile = 8192, 64
+    shape = tb.Shape(hq=4, hk=1, head=64, max_model_len=tokens + 16)
+    with pytest.MonkeyPatch.context() as mp:
+        env = tb.open_backend(vllm_tree, tmp_path, shape, mp.setattr)
+        h.tensor_core_dots(mp.setattr)
+        try:
+            impl, layer, batch = tb.decode_batch(env, [tokens - 1], seed=3)
+            one, many = (
+                tb.decode_kernels(impl, layer, batch, s, old_splits=None)[1]
+                for s in (1, tokens // tile)
+            )
+        finally:
+            tb.close_backend()
+    want = torch.cat(tb.reference(batch, impl, layer))
+    err_one, err_many = (
+        ((t.cpu().double().reshape(want.shape) - want).norm() / want.norm()).item()
+        for t in (one, many)
+    )
+    assert err_one <= 1.25 * err_many, (
+        f"grouped decode error grows with the tokens a split walks: "
+        f"{err_one:.3g} in 1 split of {tokens} tokens, {err_many:.3g} in "
+        f"{tokens // tile} splits (relative L2)"
+    )
 
 
 def test_graph_replay_matches_eager(env: tb.Backend) -> None:
@@ -368,6 +408,66 @@ def test_num_splits_from_host_sizes() -> None:
     assert counts == [
         gd.grouped_decode_num_splits(b, 4, 1024, dev) for b in (1, 8, 32, 128)
     ]
+
+
+# (head size, query heads a KV head, preset): where the backend takes the
+# grouped decode, and where v0.33.0's kernel stays, as measured on an H100 (D
+# 512 with group 64 needs 262,144 B of shared memory; group 64 at D 64 faults;
+# group 1 and D 512 run slower than v0.33.0's kernel).
+GROUPED = [(64, 4, "4bit_nc"), (128, 2, "k8v4"), (256, 16, "3bit_nc")]
+NOT_GROUPED = [
+    (512, 64, "4bit_nc"),
+    (512, 4, "3bit_nc"),
+    (64, 64, "4bit_nc"),
+    (256, 1, "k8v4"),
+    (96, 4, "k8v4"),
+]
+
+
+def takes_grouped(head: int, group: int, preset: str) -> bool:
+    cfg = h.tq_config(PRESETS[preset], head)
+    bits = (cfg.effective_value_quant_bits, cfg.key_fp8, cfg.key_mse_bits)
+    return grouped_module().use_grouped_decode(head, group, *bits)
+
+
+def test_grouped_decode_only_where_measured(vllm_tree: Path) -> None:
+    """The grouped decode is taken only at the shapes it was measured right
+    and faster at, and never on ROCm, where it has not run."""
+    from vllm.platforms import current_platform
+
+    assert [takes_grouped(*s) for s in GROUPED] == [True] * len(GROUPED)
+    assert [takes_grouped(*s) for s in NOT_GROUPED] == [False] * len(NOT_GROUPED)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(current_platform, "is_rocm", lambda: True)
+        assert not any(takes_grouped(*s) for s in GROUPED), "grouped on ROCm"
+
+
+def test_d512_gqa64_decodes_with_v0_33_kernel(vllm_tree: Path, tmp_path: Path) -> None:
+    """Head size 512 with 64 query heads a KV head (the grouped kernel needs
+    more shared memory than an H100 has): ``forward`` launches v0.33.0's
+    decode, not the grouped one."""
+    shape = tb.Shape(hq=64, hk=1, head=512, preset=PRESETS["4bit_nc"])
+    tq = h.tq_module()
+    calls: list[str] = []
+
+    def launcher(name: str) -> Any:
+        def record(query: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+            calls.append(name)
+            return torch.zeros_like(query)
+
+        return record
+
+    with pytest.MonkeyPatch.context() as mp:
+        env = tb.open_backend(vllm_tree, tmp_path, shape, mp.setattr)
+        for name in ("triton_turboquant_decode_attention", GROUPED_LAUNCHER):
+            if hasattr(tq, name):
+                mp.setattr(tq, name, launcher(name))
+        try:
+            impl, layer, batch = tb.decode_batch(env, [20, 3], seed=7)
+            tb.forward(impl, layer, batch, env.builder().build(0, batch.cam))
+        finally:
+            tb.close_backend()
+    assert calls == ["triton_turboquant_decode_attention"], calls
 
 
 def test_other_head_sizes_keep_v0_33_kernel(vllm_tree: Path, tmp_path: Path) -> None:

@@ -682,6 +682,33 @@ def test_dense_skip_layers_one_group(
         assert spec.page_size_bytes == spec.block_size * own, name
 
 
+@pytest.mark.parametrize("preset", ["turboquant_k8v4", "turboquant_4bit_nc"])
+def test_dense_block_size_kept(
+    engine_env, monkeypatch, tmp_path: Path, preset: str
+) -> None:
+    """A dense model with boundary skip layers (every dense TurboQuant
+    deployment: the engine adds them) keeps the block size its first
+    attention layer's backend plans: only a hybrid's groups share one page,
+    so only there is the quantized primary priced by its own layers."""
+    from vllm.platforms.interface import Platform
+
+    def planned_block_size(model_dir: Path) -> int:
+        vllm_config = engine_config(llama(), model_dir, kv_cache_dtype=preset)
+        with pytest.MonkeyPatch.context() as mp:
+            build_dense_kv_cache_specs(vllm_config, mp)
+        return vllm_config.cache_config.block_size
+
+    got = planned_block_size(tmp_path / "patched")
+    monkeypatch.setattr(
+        Platform,
+        "_find_quantized_kv_backend",
+        classmethod(lambda cls, c: None),
+        raising=False,
+    )
+    want = planned_block_size(tmp_path / "first_backend")
+    assert got == want, f"dense block size {got}, {want} by the first backend"
+
+
 @pytest.mark.parametrize(
     "name, make_config",
     [

@@ -688,13 +688,13 @@ def decode_kernels(
     batch: Batch,
     splits: int,
     pad: int = 0,
-    old_splits: int = 32,
+    old_splits: int | None = 32,
     grouped: bool = True,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """v0.33.0's TurboQuant decode kernel (``old_splits``: its default) and
-    the grouped one (``splits``; None when not ``grouped``) on a decode
-    batch's cache, with ``pad`` rows of no tokens appended (CUDA-graph
-    padding): their (B + pad, Hq, D)."""
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """v0.33.0's TurboQuant decode kernel (``old_splits``: its default; None
+    when not run) and the grouped one (``splits``; None when not ``grouped``)
+    on a decode batch's cache, with ``pad`` rows of no tokens appended
+    (CUDA-graph padding): their (B + pad, Hq, D)."""
     from vllm.v1.attention.ops.triton_turboquant_decode import (
         triton_turboquant_decode_attention,
     )
@@ -710,9 +710,11 @@ def decode_kernels(
         "seq_lens": torch.cat([cam.seq_lens, cam.seq_lens.new_zeros(pad)]),
         **h.decode_params(layer, impl),
     }
-    old = triton_turboquant_decode_attention(
-        Pi=layer._tq_Pi, max_num_kv_splits=old_splits, **args
-    )
+    old = None
+    if old_splits is not None:
+        old = triton_turboquant_decode_attention(
+            Pi=layer._tq_Pi, max_num_kv_splits=old_splits, **args
+        )
     if not grouped:
         return old, None
     from vllm.v1.attention.ops.triton_turboquant_grouped_decode import (

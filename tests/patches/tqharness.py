@@ -128,6 +128,8 @@ from typing import Any
 
 import torch
 
+# Products an MMA step of the tensor cores sums (sm80/sm90 fp16, k = 16).
+MMA_K_STEP = 16
 TQ_MODULE = "vllm.v1.attention.backends.turboquant_attn"
 UQ_MODULE = "vllm.v1.attention.backends.ultraquant_attn"
 UQ_PRESET = "ultraquant_4bit"
@@ -401,6 +403,54 @@ def fix_interpreter_bf16_dot(setattr: Any = setattr) -> None:
 
     create_dot_widened.widens_bf16 = True  # type: ignore[attr-defined]
     setattr(builder, "create_dot", create_dot_widened)
+
+
+def mma_truncating(
+    a: Any, b: Any, acc: Any, k_step: int = MMA_K_STEP, guard_bits: int = 2
+) -> Any:
+    """``a @ b + acc`` (numpy; fp16 operands, fp32 ``acc``) as an NVIDIA
+    tensor core sums it, one MMA per ``k_step`` products: the products
+    (exact) and the fp32 accumulator aligned to the largest exponent among
+    them, each truncated toward zero to 24 + ``guard_bits`` bits there,
+    summed, and the sum truncated to fp32. A one-signed sum carried in one
+    accumulator loses about 2**-25 of itself an MMA, where numpy's fp32
+    rounds to nearest. Bit-equal to an H200's ``tl.dot`` in 93-100% of
+    outputs (ci/gpu/tc_rounding_check.py)."""
+    import numpy as np
+
+    out = acc.astype(np.float32)
+    a64, b64 = a.astype(np.float64), b.astype(np.float64)
+    for k in range(0, a64.shape[-1], k_step):
+        terms = a64[..., :, k : k + k_step, None] * b64[..., None, k : k + k_step, :]
+        terms = np.concatenate([terms, out[..., :, None, :]], axis=-2)
+        top = np.abs(terms).max(axis=-2, keepdims=True)
+        _, exp = np.frexp(np.where(top > 0, top, 1.0))
+        quantum = np.ldexp(1.0, exp - 24 - guard_bits)
+        exact = (np.trunc(terms / quantum) * quantum).sum(axis=-2)
+        out = exact.astype(np.float32)
+        over = np.abs(out.astype(np.float64)) > np.abs(exact)
+        out = np.where(over, np.nextafter(out, np.float32(0)), out)
+    return out
+
+
+def tensor_core_dots(setattr: Any = setattr) -> None:
+    """Triton's interpreter computes ``tl.dot`` in numpy fp32, rounding to
+    nearest; make its fp16 dots into an fp32 accumulator round as the
+    tensor cores do (``mma_truncating``). The error of an accumulation that
+    a GPU truncates shows on CPU. Only for the interpreter."""
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    builder = interpreter.InterpreterBuilder
+    create_dot = builder.create_dot
+
+    def create_dot_truncating(self: Any, a: Any, b: Any, d: Any, *args: Any) -> Any:
+        if not (a.dtype == b.dtype == tl.float16 and d.dtype == tl.float32):
+            return create_dot(self, a, b, d, *args)
+        out = mma_truncating(a.data, b.data, d.data)
+        return interpreter.TensorHandle(out, tl.float32)
+
+    setattr(builder, "create_dot", create_dot_truncating)
 
 
 def tq_impl(
