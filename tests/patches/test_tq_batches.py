@@ -61,11 +61,13 @@ SHAPE = tb.Shape()
 BLOCK = SHAPE.block
 LONG = int(os.environ.get("TQ_BATCH_EXAMPLES", "0"))
 # In Triton's interpreter a chunk with context that takes the decode kernel
-# costs about 0.5 s per query (the continuation launches the kernel with its
-# default 32 KV splits), so CI lowers the continuation threshold (the number
-# of queries up to which a chunk takes that kernel) from 128 to 4 and keeps
-# contexts short; the long mode runs the tree's own threshold.
+# costs per query and per KV split (the continuation launches the kernel with
+# the launcher's default of 32 splits), so CI lowers the continuation
+# threshold (the number of queries up to which a chunk takes that kernel)
+# from 128 to 4, launches it with 4 splits and keeps contexts short; the long
+# mode runs the tree's own threshold and splits.
 THRESHOLD = tb.THRESHOLD if LONG else 4
+SPLITS = 4
 MAX_CACHED = 300 if LONG else 48  # the model's max_model_len: 512
 
 # How each bug shows.
@@ -99,6 +101,8 @@ def env(
         model_dir = tmp_path_factory.mktemp("tiny_qwen3")
         backend = tb.open_backend(vllm_tree, model_dir, SHAPE, mp.setattr)
         mp.setattr(backend.tq, "_CONTINUATION_DECODE_THRESHOLD", THRESHOLD)
+        if not LONG:
+            tb.small_continuation_splits(backend.tq, SPLITS, mp.setattr)
         yield backend
         tb.close_backend()
 

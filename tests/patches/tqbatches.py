@@ -237,6 +237,22 @@ class Backend:
         )
 
 
+def small_continuation_splits(tq: Any, splits: int, setattr: Any) -> None:
+    """The small continuation launches the decode kernel without a split
+    count, so with the launcher's default of 32: ``splits`` instead where a
+    caller passes neither a count nor buffers sized for one (the decode
+    path passes both). In Triton's interpreter a launch costs per program,
+    and a context of tens of tokens leaves most of 32 splits empty."""
+    launch = tq.triton_turboquant_decode_attention
+
+    def with_splits(*args: Any, **kwargs: Any) -> torch.Tensor:
+        if "max_num_kv_splits" not in kwargs and kwargs.get("mid_o_buf") is None:
+            kwargs["max_num_kv_splits"] = splits
+        return launch(*args, **kwargs)
+
+    setattr(tq, "triton_turboquant_decode_attention", with_splits)
+
+
 def open_backend(
     tree: Path, model_dir: Path, shape: Shape, setattr: Any, **config: Any
 ) -> Backend:

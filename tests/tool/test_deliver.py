@@ -725,7 +725,6 @@ def real(tmp_path_factory: pytest.TempPathFactory) -> dict:
     tmp = tmp_path_factory.mktemp("real")
     env = dict(os.environ, VLLM_PATCHES_OFFLINE="1")
     env.pop("VLLM_REPO", None)
-    env.pop("VLLM_PATCHES_CACHE", None)
     proj = tmp / "proj"
     (proj / "tests" / "patches").mkdir(parents=True)
     (proj / "series").write_text(
@@ -1049,7 +1048,6 @@ def test_real_series_exports(tmp_path: Path) -> None:
     if not tq:
         pytest.skip("the series lists no tq patch yet")
     env = dict(os.environ, VLLM_PATCHES_OFFLINE="1")
-    env.pop("VLLM_PATCHES_CACHE", None)
     p = subprocess.run([PY, str(APPLY), "base", "--stack", "tq"], env=env,
                        capture_output=True, text=True, timeout=1800)
     assert p.returncode == 0, p.stderr
