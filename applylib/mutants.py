@@ -142,6 +142,7 @@ def run_mutant(series: Series, wt: Path, commit: str, m: Mutant, env: dict) -> d
             "VLLM_PATCHES_EXPECT_FAIL": "*",
             "VLLM_PATCHES_STOP_AT_KILL": "1",
         },
+        warm=True,
     )
     killers = [t for t in m.tests if outs[t].asserted]
     worst = aggregate(list(outs.values()))

@@ -26,6 +26,8 @@ import tempfile
 from pathlib import Path
 
 from .core import PROJECT, UserError, say
+from .warm import enabled as warm_enabled
+from .warm import run_pytest
 
 PLUGIN = Path(__file__).with_name("pytest_plugin.py")
 
@@ -129,8 +131,10 @@ def run_tests(
     python: str,
     label: str,
     extra_env: dict[str, str] | None = None,
+    warm: bool = False,
 ) -> tuple[dict[str, Outcome], str]:
-    """Run pytest on node ids against a tree; an Outcome per node id."""
+    """Run pytest on node ids against a tree; an Outcome per node id.
+    `warm`: forked from this thread's warm interpreter (warm.py)."""
     if not node_ids:
         return {}, ""
     # a missing file would stop pytest before it runs anything: leave it out,
@@ -177,9 +181,17 @@ def run_tests(
         timeout = float(os.environ.get("VLLM_PATCHES_RUN_TIMEOUT", "5400"))
         lost = ""
         try:
-            proc = subprocess.run(
-                cmd, cwd=root, env=env, capture_output=True, text=True, timeout=timeout
-            )
+            if warm and warm_enabled():
+                proc = run_pytest(python, cmd[3:], root, env, timeout)
+            else:
+                proc = subprocess.run(
+                    cmd,
+                    cwd=root,
+                    env=env,
+                    capture_output=True,
+                    text=True,
+                    timeout=timeout,
+                )
             output = proc.stdout + proc.stderr
         except subprocess.TimeoutExpired as e:
             lost = f"the pytest run timed out after {timeout:.0f} s"

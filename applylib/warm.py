@@ -1,0 +1,85 @@
+"""Pytest runs forked from a warm interpreter, one per lane (the mutants').
+
+A mutant's run imports torch, Triton, transformers and the rest of what
+vLLM imports (about 10 s on 2 cores) before a test that takes a few
+seconds: warm_server.py, started once per lane under the test Python,
+forks each run from a process that has those loaded, while vLLM's own
+modules are imported fresh in every run, from its tree. The output, exit
+status and timeout are those of ``python -m pytest`` run in a subprocess.
+``VLLM_PATCHES_WARM=0`` runs each in a fresh interpreter instead.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import tempfile
+import threading
+import weakref
+from pathlib import Path
+
+SERVER = Path(__file__).with_name("warm_server.py")
+_local = threading.local()
+
+
+def enabled() -> bool:
+    return os.environ.get("VLLM_PATCHES_WARM", "1") != "0" and hasattr(os, "fork")
+
+
+class Server:
+    """warm_server.py under `python`, answering one run at a time."""
+
+    def __init__(self, python: str, env: dict[str, str]):
+        self.python = python
+        self.proc = subprocess.Popen(
+            [python, str(SERVER)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            env=env,
+            text=True,
+        )
+        # the lane's thread-local copy goes with its thread, and this with it
+        self.close = weakref.finalize(self, shutdown, self.proc)
+        self.answer()
+
+    def answer(self) -> dict:
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline()
+        if not line:
+            raise OSError(f"the warm interpreter under {self.python} exited")
+        return json.loads(line)
+
+    def run(self, argv: list[str], cwd: Path, env: dict, timeout: float) -> tuple:
+        with tempfile.TemporaryDirectory(prefix="vllm-patches-warm-") as tmp:
+            out, mods = Path(tmp, "output"), Path(tmp, "modules")
+            req = {"argv": argv, "cwd": str(cwd), "env": env, "timeout": timeout}
+            req.update(out=str(out), modules=str(mods))
+            assert self.proc.stdin is not None
+            self.proc.stdin.write(json.dumps(req) + "\n")
+            self.proc.stdin.flush()
+            rc = self.answer()["rc"]
+            output = out.read_text(errors="replace") if out.exists() else ""
+        return rc, output
+
+
+def shutdown(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        assert proc.stdin is not None
+        proc.stdin.close()
+        proc.wait()
+
+
+def run_pytest(
+    python: str, argv: list[str], cwd: Path, env: dict, timeout: float
+) -> subprocess.CompletedProcess:
+    """`python -m pytest argv` in `cwd` with `env`, forked from this lane's
+    warm interpreter; raises subprocess.TimeoutExpired as subprocess.run."""
+    server = getattr(_local, "server", None)
+    if server is None or server.python != python or server.proc.poll() is not None:
+        start = {k: v for k, v in env.items() if k != "PYTHONPATH"}
+        server = _local.server = Server(python, start)
+    rc, output = server.run(argv, cwd, env, timeout)
+    if rc is None:
+        raise subprocess.TimeoutExpired(argv, timeout, output=output)
+    return subprocess.CompletedProcess(argv, rc, output, "")
