@@ -88,7 +88,7 @@ def tree_version(tree: Path) -> str:
     """The release version the tree says it is (vllm/_version.py)."""
     path = tree / "vllm" / "_version.py"
     text = path.read_text() if path.is_file() else ""
-    m = re.search(r"^__version__ = version = ['\"]([^'\"]+)", text, re.M)
+    m = re.search(r"^__version__ = version = ['\"]([^'\"]+)", text, re.MULTILINE)
     return m.group(1) if m else "0.0.0+tree"
 
 
@@ -191,6 +191,7 @@ def run_tests(
                     capture_output=True,
                     text=True,
                     timeout=timeout,
+                    check=False,
                 )
             output = proc.stdout + proc.stderr
         except subprocess.TimeoutExpired as e:
@@ -215,7 +216,7 @@ def run_tests(
 def covers(requested: str, case: str) -> bool:
     if case == requested:
         return True
-    if case.startswith(requested + "::") or case.startswith(requested + "["):
+    if case.startswith((requested + "::", requested + "[")):
         return True
     # a collection error is reported against the module
     return "::" not in case and requested.split("::")[0] == case
