@@ -46,7 +46,7 @@ def child(req: dict) -> None:
         code = int(pytest.main(req["argv"]))
     finally:
         with open(req["modules"], "w") as fh:
-            fh.write("\n".join(third_party()))
+            json.dump({"modules": third_party(), "environ": dict(os.environ)}, fh)
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)
@@ -67,7 +67,13 @@ def third_party() -> list[str]:
     return out
 
 
-def preload(names: list[str]) -> bool:
+def preload(names: list[str], environ: dict[str, str] | None = None) -> bool:
+    """Import `names` under `environ` (the run's, as it ended: what its
+    imports saw, such as the TRITON_INTERPRET its conftest set; Triton
+    decides at decoration time whether a kernel is interpreted)."""
+    if environ is not None:
+        os.environ.clear()
+        os.environ.update({k: v for k, v in environ.items() if k != "PYTHONPATH"})
     for name in names:
         if name in sys.modules:
             continue
@@ -101,7 +107,8 @@ def main() -> None:
         reply = {"rc": code, "warm": warm}
         if warm and os.path.exists(req["modules"]):
             with open(req["modules"]) as fh:
-                warm = preload(fh.read().split())
+                learned = json.load(fh)
+            warm = preload(learned["modules"], learned["environ"])
         print(json.dumps(reply), flush=True)
 
 
