@@ -268,7 +268,9 @@ def run_positions(
         if prev is not None:
             extra["VLLM_BASE_TREE"] = str(ring.at(prev, keep=commits[j]))
         label = "unpatched base" if j == 0 else f"with {j} patch(es)"
-        got = run_tests(series.root, tree, ids_at[j], python, f"{key}, {label}", extra)
+        got = run_tests(
+            series.root, tree, ids_at[j], python, f"{key}, {label}", extra, warm=True
+        )
         if wall is not None:
             wall[j] = round(time.monotonic() - t0, 1)
         return got

@@ -1,8 +1,8 @@
-"""Pytest runs forked from a warm interpreter, one per lane (the mutants').
+"""Pytest runs forked from a warm interpreter, one per lane.
 
-A mutant's run imports torch, Triton, transformers and the rest of what
-vLLM imports (about 10 s on 2 cores) before a test that takes a few
-seconds: warm_server.py, started once per lane under the test Python,
+A run imports torch, Triton, transformers and the rest of what vLLM
+imports (about 10 s on 2 cores; a mutant's test then takes a few
+seconds): warm_server.py, started once per lane under the test Python,
 forks each run from a process that has those loaded, while vLLM's own
 modules are imported fresh in every run, from its tree. The output, exit
 status and timeout are those of ``python -m pytest`` run in a subprocess.
@@ -64,10 +64,13 @@ class Server:
 
 
 def shutdown(proc: subprocess.Popen) -> None:
+    """Stop the server (it holds no state; it may be preloading)."""
     if proc.poll() is None:
-        assert proc.stdin is not None
-        proc.stdin.close()
-        proc.wait()
+        proc.kill()
+    proc.wait()
+    for pipe in (proc.stdin, proc.stdout):
+        if pipe is not None:
+            pipe.close()
 
 
 def run_pytest(

@@ -104,12 +104,12 @@ def main() -> None:
         if pid == 0:
             child(req)
         code = wait(pid, req["timeout"])
-        reply = {"rc": code, "warm": warm}
+        # answer first: the caller goes on while this preloads for the next
+        print(json.dumps({"rc": code, "warm": warm}), flush=True)
         if warm and os.path.exists(req["modules"]):
             with open(req["modules"]) as fh:
                 learned = json.load(fh)
             warm = preload(learned["modules"], learned["environ"])
-        print(json.dumps(reply), flush=True)
 
 
 if __name__ == "__main__":
