@@ -50,6 +50,8 @@ class Outcome:
             d["reason"] = self.reason
         if self.skipped or self.device_skipped:
             d["skipped"] = self.skipped + self.device_skipped
+        if self.seconds:
+            d["seconds"] = round(self.seconds, 1)
         return d
 
 

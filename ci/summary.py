@@ -83,6 +83,7 @@ def stage_table(
                 rows.append((f"  stack {st['name']}", f"{st.get('seconds', 0):.0f}"))
                 for j, w in st.get("position_seconds", {}).items():
                     rows.append((f"    position {j} (pytest run)", f"{w:.0f}"))
+                rows += slowest(st)
         if name == "mutants":
             per: Counter = Counter()
             n: Counter = Counter()
@@ -95,6 +96,23 @@ def stage_table(
     rows.append(("total", str(total)))
     width = max(len(r[0]) for r in rows)
     return [f"{a.ljust(width)}  {b.rjust(6)}" for a, b in rows]
+
+
+def slowest(stack: dict, n: int = 5) -> list[tuple[str, str]]:
+    """The stack's `n` slowest node ids: where its positions' time went."""
+    runs = [
+        (o.get("seconds", 0), f"{short_name(p['file'])} {kind}", node)
+        for p in stack.get("patches", [])
+        for kind, outs in p.get("test_outcomes", {}).items()
+        for node, o in outs.items()
+    ]
+    return [
+        (
+            f"      {node.split('/')[-1].removeprefix('test_')[:44]} ({who})",
+            f"{secs:.0f}",
+        )
+        for secs, who, node in sorted(runs, reverse=True)[:n]
+    ]
 
 
 if __name__ == "__main__":
