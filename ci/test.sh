@@ -47,12 +47,13 @@ lap "docs check"
 .venv/bin/python apply.py mutants --json build/mutants.json 2>&1 | tee build/mutants.txt
 mutants=${PIPESTATUS[0]}
 lap mutants
-# the tool's tests, one file per worker, as many workers as apply.py's lanes;
+# the tool's tests, one file per worker, as many workers as apply.py's lanes
+# (the eight slowest named);
 # the patch tests need a vLLM tree: the main job and the mutants ran them,
 # and the summary's lines, last, say how many
 jobs=$(.venv/bin/python -c 'from applylib.lanes import lanes; print(lanes())') || exit 2
 VLLM_PATCHES_REPORT=build/report.json .venv/bin/python -m pytest -q -ra tests \
-  --ignore=tests/patches -n "$jobs" --dist loadfile "$@"
+  --ignore=tests/patches -n "$jobs" --dist loadfile --durations=8 "$@"
 tests=$?
 lap "tool tests"
 .venv/bin/python ci/summary.py build
