@@ -1,12 +1,12 @@
 """Pytest runs side by side: one lane per core (``$VLLM_PATCHES_JOBS``).
 
 A targeted-test run is one Python process, mostly on one core (Triton's
-interpreter, numpy), so the runs of a stack's positions and of its mutants
-go in lanes: each lane owns two of the tool's worktrees (a ``TreeRing``:
-the tree a run tests and the one before it), and git moves a lane's trees
-only from that lane's thread, so no two runs share a tree that moves; the
-lanes make and move worktrees one at a time (git's worktree admin files are
-shared by the repository).
+interpreter, numpy), so the runs of the stacks' positions and of a stack's
+mutants go in lanes: each lane owns two of the tool's worktrees per stack
+(a ``TreeRing``: the tree a run tests and the one before it), and git moves
+a lane's trees only from that lane's thread, so no two runs share a tree
+that moves; the lanes make and move worktrees one at a time (git's worktree
+admin files are shared by the repository).
 """
 
 from __future__ import annotations

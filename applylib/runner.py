@@ -4,12 +4,14 @@ series, and the main job."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import hashlib
 import json
 import re
 import subprocess
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from .bases import (
@@ -225,6 +227,83 @@ def test_plan(
     return plan
 
 
+@dataclasses.dataclass
+class Runs:
+    """One stack's pytest runs: the node ids of `plan` at each position of
+    `commits` (run_all's arguments), and, once run, their outcomes, logs
+    and wall seconds by position. `top`: a worktree already at the last
+    position. `expect_fail`: the node ids whose failure is the expected
+    outcome at each position (they are not shrunk); None: every one."""
+
+    repo: Path
+    key: str
+    commits: list[str]
+    plan: dict[int, list[str]]
+    top: Path | None = None
+    expect_fail: dict[int, list[str]] | None = None
+    outs: dict[int, dict[str, Outcome]] = dataclasses.field(default_factory=dict)
+    logs: dict[int, str] = dataclasses.field(default_factory=dict)
+    wall: dict[int, float] = dataclasses.field(default_factory=dict)
+
+    def by_tree(self) -> tuple[dict[str, int], dict[int, list[str]], dict[int, set]]:
+        """One pytest run per distinct tree: the first position of each
+        commit, the node ids run there, and those expected to pass."""
+        first: dict[str, int] = {}
+        for j, c in enumerate(self.commits):
+            first.setdefault(c, j)
+        ids_at: dict[int, list[str]] = {}
+        passing: dict[int, set[str]] = {}
+        for j, ids in sorted(self.plan.items()):
+            have = ids_at.setdefault(first[self.commits[j]], [])
+            have += [t for t in ids if t not in have]
+            want = self.expect_fail
+            fails = want.get(j, []) if want is not None else ids
+            passing.setdefault(first[self.commits[j]], set()).update(
+                t for t in ids if t not in fails
+            )
+        return first, ids_at, passing
+
+
+def run_all(series: Series, stacks: list[Runs], python: str) -> None:
+    """Every stack's runs in one set of lanes (lanes.py: each lane's two
+    worktrees per stack serve its positions in turn, not one per patch),
+    so no lane idles while another stack has runs left. The tests at a
+    position see the tree just before it as VLLM_BASE_TREE (what an
+    unpatched-vs-patched comparison needs)."""
+    trees = [r.by_tree() for r in stacks]
+    # the runs with the most node ids first: the longest ones do not come
+    # last, with the other lanes idle
+    order = [(i, j) for i, (_, ids_at, _) in enumerate(trees) for j in ids_at]
+    order.sort(key=lambda ij: -len(trees[ij[0]][1][ij[1]]))
+    rings: dict[tuple[int, int], TreeRing] = {}
+
+    def run(k: int, ij: tuple[int, int]) -> tuple[dict[str, Outcome], str]:
+        t0 = time.monotonic()
+        (i, j), r = ij, stacks[ij[0]]
+        _, ids_at, passing = trees[i]
+        ring = rings.setdefault(
+            (i, k), TreeRing(r.repo, r.key, r.top, r.commits[-1], k)
+        )
+        prev = r.commits[j - 1] if j > 0 else None
+        tree = ring.at(r.commits[j], keep=prev)
+        fails = [t for t in ids_at[j] if t not in passing[j]]
+        extra = {"VLLM_PATCHES_EXPECT_FAIL": "\n".join(fails)}
+        if prev is not None:
+            extra["VLLM_BASE_TREE"] = str(ring.at(prev, keep=r.commits[j]))
+        label = "unpatched base" if j == 0 else f"with {j} patch(es)"
+        got = run_tests(
+            series.root, tree, ids_at[j], python, f"{r.key}, {label}", extra, warm=True
+        )
+        r.wall[j] = round(time.monotonic() - t0, 1)
+        return got
+
+    done = dict(zip(order, in_lanes(order, run, lanes()), strict=True))
+    for i, r in enumerate(stacks):
+        first = trees[i][0]
+        r.outs = {j: done[i, first[r.commits[j]]][0] for j in r.plan}
+        r.logs = {j: log for (ii, j), (_, log) in done.items() if ii == i}
+
+
 def run_positions(
     series: Series,
     repo: Path,
@@ -232,55 +311,11 @@ def run_positions(
     commits: list[str],
     plan: dict[int, list[str]],
     python: str,
-    top: Path | None = None,
-    expect_fail: dict[int, list[str]] | None = None,
-    wall: dict[int, float] | None = None,
 ) -> tuple[dict[int, dict[str, Outcome]], dict[int, str]]:
-    """Run the plan, one pytest run per distinct tree, in lanes (lanes.py:
-    each lane's two worktrees serve its positions in turn, not one per
-    patch). The tests at a position see the tree just before it as
-    VLLM_BASE_TREE (what an unpatched-vs-patched comparison needs). `top`: a
-    worktree already at the last position. `expect_fail`: the node ids whose
-    failure is the expected outcome at each position (they are not shrunk);
-    None: every one (verdicts only). `wall`, if given, gets each pytest
-    run's wall seconds by position."""
-    first = {}
-    for j, c in enumerate(commits):
-        first.setdefault(c, j)
-    ids_at: dict[int, list[str]] = {}
-    passing: dict[int, set[str]] = {}
-    for j, ids in sorted(plan.items()):
-        have = ids_at.setdefault(first[commits[j]], [])
-        have += [t for t in ids if t not in have]
-        fails = expect_fail.get(j, []) if expect_fail is not None else ids
-        passing.setdefault(first[commits[j]], set()).update(
-            t for t in ids if t not in fails
-        )
-    n = lanes()
-    rings = [TreeRing(repo, key, top, commits[-1], k) for k in range(n)]
-
-    def run(k: int, j: int) -> tuple[dict[str, Outcome], str]:
-        t0 = time.monotonic()
-        ring, prev = rings[k], commits[j - 1] if j > 0 else None
-        tree = ring.at(commits[j], keep=prev)
-        fails = [t for t in ids_at[j] if t not in passing[j]]
-        extra = {"VLLM_PATCHES_EXPECT_FAIL": "\n".join(fails)}
-        if prev is not None:
-            extra["VLLM_BASE_TREE"] = str(ring.at(prev, keep=commits[j]))
-        label = "unpatched base" if j == 0 else f"with {j} patch(es)"
-        got = run_tests(
-            series.root, tree, ids_at[j], python, f"{key}, {label}", extra, warm=True
-        )
-        if wall is not None:
-            wall[j] = round(time.monotonic() - t0, 1)
-        return got
-
-    # the runs with the most node ids first: the longest ones do not come
-    # last, with the other lanes idle
-    order = sorted(ids_at, key=lambda j: -len(ids_at[j]))
-    done = dict(zip(order, in_lanes(order, run, n), strict=True))
-    outs = {j: done[first[commits[j]]][0] for j in plan}
-    return outs, {j: log for j, (_, log) in done.items()}
+    """One stack's plan, run (run_all); every failure is a verdict."""
+    r = Runs(repo, key, commits, plan)
+    run_all(series, [r], python)
+    return r.outs, r.logs
 
 
 def ran(o: Outcome) -> Outcome:
@@ -339,32 +374,44 @@ def judge(
 # --------------------------------------------------------------------------
 
 
-def run_stack(
+@dataclasses.dataclass
+class StackRun:
+    """A stack on its way through the main job: applied, its runs planned
+    (none with --no-tests), judged once they ran."""
+
+    rep: dict
+    patches: list[Patch]
+    results: dict[str, PatchResult]
+    runs: Runs | None = None
+    seconds: float = 0.0
+
+
+def prepare_stack(
     series: Series,
     stack: Stack,
     patches: list[Patch],
     rev: str | None,
     user_repo: Path | None,
     args: argparse.Namespace,
-) -> dict:
-    t_stack = time.monotonic()
+    hold: Callable[[Path], None],
+) -> StackRun:
+    """The stack's base and patched tree, and its plan of runs; `hold`
+    takes the base repository's lock until the main job ends."""
+    t0 = time.monotonic()
     rep: dict = {
         "name": stack.name,
         "pins": stack.pins,
         "base": rev or stack.pins.get("tag") or stack.pins.get("commit"),
     }
+    results = {p.file: PatchResult(p.file) for p in patches}
     try:
         base, pinned = with_pinned_base(
             stack, rev, user_repo, args.offline, fetched_dir(args)
         )
     except BaseUnavailable as e:
-        rep.update(
-            status="skipped",
-            reason=e.reason,
-            fetch=e.hint,
-            patches=[PatchResult(p).to_json() for p in stack.patches],
-        )
-        return rep
+        rep.update(status="skipped", reason=e.reason, fetch=e.hint)
+        rep["patches"] = [PatchResult(p).to_json() for p in stack.patches]
+        return StackRun(rep, patches, results)
     rep.update(
         base=base.rev, base_commit=base.commit, source=base.source, repo=str(base.repo)
     )
@@ -372,35 +419,40 @@ def run_stack(
         rep["upstream_commit"] = base.upstream_commit
     if base.source == "fetched":
         rep.update(fetched=base.fetched, assembled=base.assembled)
-    results = {p.file: PatchResult(p.file) for p in patches}
-    label = ref_label(base.rev)
-    with locked(hashlib.sha1(str(git_common_dir(base.repo)).encode()).hexdigest()[:10]):
-        preimages(stack, patches, base, pinned)
-        wt = worktree(base.repo, f"{stack.name}-patched", base.commit)
-        apply_stack(wt, patches, results)
-        head = gout("rev-parse", "HEAD", cwd=wt)
-        branch = f"{REF_NS}/{stack.name}/{label}"
-        git("update-ref", branch, head, cwd=base.repo)
-        rep.update(branch=branch, head=head, worktree=str(wt))
-        if not args.no_tests:
-            commits = positions(base.commit, patches, results)
-            plan = test_plan(patches, results, full=True)
-            wall: dict[int, float] = {}
-            outs, logs = run_positions(
-                series,
-                base.repo,
-                f"{stack.name}-at",
-                commits,
-                plan,
-                test_python(args.python),
-                top=wt,
-                expect_fail={i: p.regression for i, p in enumerate(patches)},
-                wall=wall,
-            )
-            judge(patches, results, outs)
-            rep["position_seconds"] = {str(j): s for j, s in wall.items()}
-            rep["logs"] = {str(j): log[-20000:] for j, log in logs.items()}
-    rep["status"] = "ran"
+    hold(base.repo)
+    preimages(stack, patches, base, pinned)
+    wt = worktree(base.repo, f"{stack.name}-patched", base.commit)
+    apply_stack(wt, patches, results)
+    head = gout("rev-parse", "HEAD", cwd=wt)
+    branch = f"{REF_NS}/{stack.name}/{ref_label(base.rev)}"
+    git("update-ref", branch, head, cwd=base.repo)
+    rep.update(branch=branch, head=head, worktree=str(wt), status="ran")
+    sr = StackRun(rep, patches, results)
+    if not args.no_tests:
+        sr.runs = Runs(
+            base.repo,
+            f"{stack.name}-at",
+            positions(base.commit, patches, results),
+            test_plan(patches, results, full=True),
+            top=wt,
+            expect_fail={i: p.regression for i, p in enumerate(patches)},
+        )
+    sr.seconds = time.monotonic() - t0
+    return sr
+
+
+def finish_stack(sr: StackRun, args: argparse.Namespace) -> dict:
+    """The stack's report, from its runs' outcomes. Its seconds: its
+    set-up and its pytest runs' (which shared the lanes with the other
+    stacks' runs)."""
+    rep, patches, results = sr.rep, sr.patches, sr.results
+    if rep.get("status") != "ran":
+        return rep
+    if sr.runs is not None:
+        judge(patches, results, sr.runs.outs)
+        rep["position_seconds"] = {str(j): s for j, s in sr.runs.wall.items()}
+        rep["logs"] = {str(j): log[-20000:] for j, log in sr.runs.logs.items()}
+        sr.seconds += sum(sr.runs.wall.values())
     rep["patches"] = [results[p.file].to_json() for p in patches]
     rep["ok"] = (
         all(results[p.file].ok() for p in patches)
@@ -410,8 +462,45 @@ def run_stack(
     rep["errors"] = sum(
         "error" in results[p.file].verdicts() for p in patches if not args.no_tests
     )
-    rep["seconds"] = round(time.monotonic() - t_stack, 2)
+    rep["seconds"] = round(sr.seconds, 2)
     return rep
+
+
+def run_stacks(
+    series: Series,
+    stacks: list[Stack],
+    loaded: dict[str, Patch],
+    user_repo: Path | None,
+    args: argparse.Namespace,
+) -> list[dict]:
+    """Each stack applied in turn, then every stack's runs in one set of
+    lanes, under the lock of each base repository (one run at a time per
+    repository: the worktrees are shared state)."""
+    with contextlib.ExitStack() as held:
+        names: set[str] = set()
+
+        def hold(repo: Path) -> None:
+            name = hashlib.sha1(str(git_common_dir(repo)).encode()).hexdigest()[:10]
+            if name not in names:
+                names.add(name)
+                held.enter_context(locked(name))
+
+        prepared = [
+            prepare_stack(
+                series,
+                st,
+                [loaded[p] for p in st.patches],
+                args.base,
+                user_repo,
+                args,
+                hold,
+            )
+            for st in stacks
+        ]
+        runs = [sr.runs for sr in prepared if sr.runs is not None]
+        if runs:
+            run_all(series, runs, test_python(args.python))
+        return [finish_stack(sr, args) for sr in prepared]
 
 
 def table(rows: list[tuple[str, ...]]) -> list[str]:
@@ -507,13 +596,11 @@ def cmd_apply(args: argparse.Namespace) -> int:
                 f"apply.py: --base {args.base} without --stack: using stack "
                 f"'{stacks[0].name}' ({stack_pin(stacks[0])})"
             )
-    report = {"tool": "apply.py", "series": str(series.path), "stacks": []}
-    for st in stacks:
-        report["stacks"].append(
-            run_stack(
-                series, st, [loaded[p] for p in st.patches], args.base, user_repo, args
-            )
-        )
+    report = {
+        "tool": "apply.py",
+        "series": str(series.path),
+        "stacks": run_stacks(series, stacks, loaded, user_repo, args),
+    }
     ran_ = [s for s in report["stacks"] if s["status"] == "ran"]
     failed = [s for s in ran_ if not s["ok"]]
     skipped = [s for s in report["stacks"] if s["status"] == "skipped"]

@@ -188,6 +188,43 @@ def test_every_position_sees_its_own_trees_in_two_worktrees_a_lane(
     }
 
 
+def test_stacks_share_the_lanes(fx: Fixture) -> None:
+    """Two stacks of one patch each, two lanes: the second stack's runs
+    start while the first stack's are still going (no lane idles at the
+    end of a stack). The first stack's patched run waits for one of the
+    second stack's runs to have started; run one stack after the other it
+    would wait in vain."""
+    started = fx.tmp / "fy-started"
+    (fx.project / "tests" / "patches" / "test_both.py").write_text(
+        "import os, time\n\nimport pytest\n\n\n"
+        '@pytest.mark.bug_signature(AssertionError, r"^add is wrong")\n'
+        "def test_both():\n"
+        "    import vllm.mod as m\n\n"
+        '    if "/fy-" in os.environ["VLLM_TREE"]:\n'
+        f"        open({str(started)!r}, 'w').close()\n"
+        "    elif m.add(1, 1) == 2:\n"
+        "        end = time.monotonic() + 60\n"
+        f"        while not os.path.exists({str(started)!r}):\n"
+        '            assert time.monotonic() < end, "stack fy did not start"\n'
+        "            time.sleep(0.1)\n"
+        '    assert m.add(1, 1) == 2, "add is wrong"\n'
+    )
+    series = ""
+    for name in ("fx", "fy"):
+        fx.make_patch(f"{name}/0001-fix-add.patch", {"vllm/mod.py": FIXED_ADD},
+                      "[Core] Fix add", ["tests/patches/test_both.py::test_both"],
+                      base="v1.0.0")
+        series += (f"#@ stack {name} repo=https://example.invalid/vllm "
+                   f"tag=v1.0.0\n{name}/0001-fix-add.patch\n")
+    fx.write_series(series)
+    out = fx.tmp / "r.json"
+    p = fx.run("--repo", str(fx.upstream), "--json", str(out),
+               env={"VLLM_PATCHES_JOBS": "2"})
+    assert p.returncode == 0, p.stdout + p.stderr
+    for st in fx.report(out)["stacks"]:
+        assert st["patches"][0]["regression"] == {"base": "fail", "patched": "pass"}
+
+
 def test_expected_failure_is_not_shrunk(fx: Fixture) -> None:
     """A generated regression test fails on the base: its first failing
     example is the verdict (shrinking it cost minutes per test in CI), with
