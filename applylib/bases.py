@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import fcntl
+import functools
 import hashlib
 import os
 import re
@@ -34,10 +35,28 @@ from .series import Stack
 
 
 def cache_dir() -> Path:
+    """The tool's cache (bases, worktrees, wheels), checked writable: a
+    run in a cache it cannot write would read the failures as verdicts."""
     if os.environ.get("VLLM_PATCHES_CACHE"):
-        return Path(os.environ["VLLM_PATCHES_CACHE"]).expanduser().resolve()
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base).expanduser().resolve() / TOOL_NAME
+        path = Path(os.environ["VLLM_PATCHES_CACHE"]).expanduser().resolve()
+    else:
+        base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+        path = Path(base).expanduser().resolve() / TOOL_NAME
+    return writable_cache(path)
+
+
+@functools.cache
+def writable_cache(path: Path) -> Path:
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=path):
+            pass
+    except OSError as e:
+        raise UserError(
+            f"the tool's cache {path} is not writable ({e.strerror}): "
+            "set VLLM_PATCHES_CACHE to a writable directory"
+        ) from None
+    return path
 
 
 @contextlib.contextmanager

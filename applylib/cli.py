@@ -4,9 +4,19 @@ from __future__ import annotations
 
 import argparse
 import os
+from pathlib import Path
 
 from .commands import cmd_base, cmd_check, cmd_format_patch, cmd_test
-from .core import PROJECT, GitError, UserError, command, common, patch_names, say
+from .core import (
+    PROJECT,
+    GitError,
+    UserError,
+    command,
+    common,
+    patch_names,
+    say,
+    writable_output,
+)
 from .export import add_deliver_commands
 from .mutants import add_mutants_command
 from .rebase import add_rebase_command
@@ -158,6 +168,8 @@ def add_format_patch_command(sub: argparse._SubParsersAction) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     try:
+        if getattr(args, "json", None):  # before the work, not after it
+            writable_output(Path(args.json), "--json")
         if getattr(args, "func", None):
             return args.func(args)
         return cmd_apply(args)

@@ -8,6 +8,7 @@ import os
 import re
 import subprocess
 import sys
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
@@ -270,3 +271,16 @@ def patch_names(
 ) -> None:
     """The positional list of patches a command works on (default: all)."""
     sp.add_argument("patches", nargs="*", help=help)
+
+
+def writable_output(path: Path, flag: str) -> None:
+    """Refuse an output path the run could not write, before the run."""
+    target = path.expanduser().resolve()
+    try:
+        if target.is_dir():
+            raise IsADirectoryError(21, "is a directory")
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=target.parent):
+            pass
+    except OSError as e:
+        raise UserError(f"{flag} {path}: cannot write there ({e.strerror})") from None

@@ -23,13 +23,24 @@ from .bases import (
     with_pinned_base,
     worktree,
 )
-from .core import AM_CONFIG, REF_NS, git, git_common_dir, gout, say
+from .core import (
+    AM_CONFIG,
+    REF_NS,
+    UserError,
+    git,
+    git_common_dir,
+    gout,
+    rev_commit,
+    say,
+)
 from .lanes import TreeRing, in_lanes, lanes
 from .pinned import fetched_dir
 from .series import Patch, Series, Stack, check_agreement, load_patch, parse_series
 from .testrun import Outcome, aggregate, run_tests, test_python
 
 APPLIED = ("clean", "3way")
+# a version short of vX.Y.Z (v0.33): a typo, unless a clone has it as a ref
+NOT_A_RELEASE = re.compile(r"^v?\d+\.\d+$")
 
 
 @dataclasses.dataclass
@@ -586,6 +597,15 @@ def cmd_apply(args: argparse.Namespace) -> int:
     check_agreement(series)
     loaded = {p: load_patch(series, p) for s in series.stacks for p in s.patches}
     user_repo = find_user_repo(args.repo)
+    if (
+        args.base
+        and NOT_A_RELEASE.match(args.base)
+        and (user_repo is None or not rev_commit(user_repo, args.base))
+    ):
+        raise UserError(
+            f"--base {args.base}: not a release (releases are vX.Y.Z, "
+            "e.g. v0.33.0) nor a revision of a --repo"
+        )
     stacks = series.stacks
     if args.stack:
         stacks = [series.stack(args.stack)]

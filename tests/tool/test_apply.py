@@ -235,3 +235,43 @@ def test_stale_lock_from_killed_run_is_not_fatal(fx: Fixture) -> None:
     t0 = time.monotonic()
     assert fx.run("--repo", str(fx.upstream), "--no-tests").returncode == 0
     assert time.monotonic() - t0 < 60
+
+
+def one_line_error(p, *want: str) -> None:
+    assert p.returncode == 2, p.stdout + p.stderr
+    lines = p.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("apply.py: error: "), p.stderr
+    for w in want:
+        assert w in lines[0], lines[0]
+
+
+def test_unwritable_cache_is_an_environment_fault(fx: Fixture) -> None:
+    """A cache the tool cannot write is one line and exit 2 for the main
+    job and for `check`, never a verdict ("does not apply", "FAILED")."""
+    standard_stack(fx)
+    blocker = fx.tmp / "a-file"
+    blocker.write_text("")
+    env = {"VLLM_PATCHES_CACHE": str(blocker / "cache")}
+    one_line_error(fx.run("--repo", str(fx.upstream), env=env), "not writable")
+    one_line_error(fx.run("check", env=env), "not writable")
+
+
+def test_unwritable_json_refused_before_the_run(fx: Fixture) -> None:
+    standard_stack(fx)
+    blocker = fx.tmp / "a-file"
+    blocker.write_text("")
+    for out in (blocker / "r.json", fx.tmp):  # under a file; a directory
+        p = fx.run("--repo", str(fx.upstream), "--json", str(out))
+        one_line_error(p, f"--json {out}: cannot write there")
+        assert p.stdout == ""  # nothing ran
+
+
+def test_base_short_of_a_release_is_bad_input(fx: Fixture) -> None:
+    """`--base v1.0` (for v1.0.0) is a typo: exit 2 offline and online
+    alike, unless the clone has such a ref."""
+    standard_stack(fx)
+    for env in ({"VLLM_PATCHES_OFFLINE": ""}, {}):  # online, offline
+        one_line_error(fx.run("--base", "v1.0", env=env), "v1.0", "not a release")
+    git("tag", "v1.0", "v1.0.0", cwd=fx.upstream)
+    p = fx.run("--base", "v1.0", "--repo", str(fx.upstream), "--stack", "fx")
+    assert p.returncode == 0, p.stdout + p.stderr
