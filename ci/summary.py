@@ -68,7 +68,9 @@ def stage_table(
     build: Path, stacks: list[dict] | None, mutants: list[dict] | None
 ) -> list[str]:
     """Wall time per stage (build/stages.tsv, written by ci/test.sh), the
-    main job per stack and per tree position, the mutants per patch."""
+    main job per stack (its set-up and its runs' seconds: the stacks' runs
+    share the lanes, so they add up to more than the stage), per tree
+    position and its slowest node ids, the mutants per patch."""
     try:
         stages = [
             ln.split("\t") for ln in (build / "stages.tsv").read_text().split("\n")
@@ -80,7 +82,9 @@ def stage_table(
         rows.append((name, secs))
         if name == "main job":
             for st in stacks or []:
-                rows.append((f"  stack {st['name']}", f"{st.get('seconds', 0):.0f}"))
+                rows.append(
+                    (f"  stack {st['name']} (lane-s)", f"{st.get('seconds', 0):.0f}")
+                )
                 for j, w in st.get("position_seconds", {}).items():
                     rows.append((f"    position {j} (pytest run)", f"{w:.0f}"))
                 rows += slowest(st)
