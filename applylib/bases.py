@@ -104,6 +104,35 @@ def find_user_repo(arg: str | None) -> Path | None:
     local = Path("vllm")
     if (local / ".git").exists():
         return open_repo(local)
+    if Path(".git").exists() and (local / "__init__.py").is_file():
+        return open_repo(Path("."))  # run inside a vLLM clone
+    return None
+
+
+def describe_base(rev: str, user_repo: Path | None) -> tuple[str, str] | None:
+    """The release tag a base that is no release stands on, and a line
+    saying so: from the user's clone (git describe), or, without one, the
+    release whose upstream commit `rev` is (the cache's materialized
+    releases record it). None when neither knows."""
+    if user_repo is not None:
+        commit = rev_commit(user_repo, rev)
+        if commit is None:
+            raise UserError(f"unknown revision '{rev}' in {user_repo}")
+        describe = ["describe", "--tags", "--long", "--match", "v[0-9]*", commit]
+        desc = git(*describe, cwd=user_repo, check=False).stdout.decode().strip()
+        m = re.fullmatch(r"(.+)-(\d+)-g[0-9a-f]+", desc)
+        if not m or not RELEASE_TAG.match(m.group(1)):
+            return None
+        tag, n = m.group(1), int(m.group(2))
+        more = f" + {n} commit{'s' if n != 1 else ''}" if n else ""
+        return tag, f"base {rev} ({commit[:12]}) = {tag}{more}"
+    if not re.fullmatch(r"[0-9a-f]{7,40}", rev):
+        return None
+    cache = cache_repo()
+    for tag in gout("tag", "--list", "v[0-9]*", cwd=cache).split():
+        up = upstream_commit_of(cache, tag) if RELEASE_TAG.match(tag) else None
+        if up and len(up) >= 7 and (up.startswith(rev) or rev.startswith(up)):
+            return tag, f"base {rev} = {tag} (its upstream commit, in the cache)"
     return None
 
 

@@ -15,8 +15,10 @@ from collections.abc import Callable
 from pathlib import Path
 
 from .bases import (
+    RELEASE_TAG,
     Base,
     BaseUnavailable,
+    describe_base,
     find_user_repo,
     locked,
     ref_label,
@@ -610,7 +612,10 @@ def cmd_apply(args: argparse.Namespace) -> int:
     if args.stack:
         stacks = [series.stack(args.stack)]
     elif args.base:
-        stacks = [series.pick_stack(None, args.base)]
+        release = args.base
+        if len(series.stacks) > 1 and not RELEASE_TAG.match(args.base):
+            release = base_release(args, user_repo)
+        stacks = [series.pick_stack(None, release)]
         if len(series.stacks) > 1:
             say(
                 f"apply.py: --base {args.base} without --stack: using stack "
@@ -632,6 +637,26 @@ def cmd_apply(args: argparse.Namespace) -> int:
         Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
         print(f"report: {args.json}")
     return code
+
+
+def base_release(args: argparse.Namespace, user_repo: Path | None) -> str:
+    """The release a --base that is no release stands on (what picks the
+    stack), said in one line; offline, a release's upstream commit that
+    the cache holds becomes that release. Unknown: exit 2, never the first
+    stack by default."""
+    known = describe_base(args.base, user_repo)
+    if known is None:
+        where = f"in {user_repo}" if user_repo else "(no --repo; the cache knows "
+        where += "" if user_repo else "only the releases' upstream commits)"
+        raise UserError(
+            f"--base {args.base}: no release below it {where}: "
+            "give --repo a clone that has it, or name the stack with --stack"
+        )
+    tag, line = known
+    say(f"apply.py: {line}")
+    if user_repo is None:
+        args.base = tag
+    return tag
 
 
 def try_apply(

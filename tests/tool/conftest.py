@@ -166,7 +166,8 @@ class Fixture:
         return self.project / "series"
 
     def run(self, *args: str, env: dict[str, str] | None = None,
-            timeout: float = 300) -> subprocess.CompletedProcess[str]:
+            timeout: float = 300,
+            cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
         full_env = dict(os.environ, VLLM_PATCHES_CACHE=str(self.cache),
                         VLLM_PATCHES_OFFLINE="1")
         full_env.pop("VLLM_REPO", None)
@@ -182,7 +183,7 @@ class Fixture:
         else:
             cmd[2:2] = ["--series", str(self.series), "--python", sys.executable]
         return subprocess.run(cmd, capture_output=True, text=True, env=full_env,
-                              cwd=self.tmp, timeout=timeout)
+                              cwd=cwd or self.tmp, timeout=timeout)
 
     def report(self, path: Path) -> dict:
         return json.loads(path.read_text())

@@ -12,6 +12,7 @@ from conftest import (
     APPLY,
     FIXED_ADD,
     MOD_V1,
+    MOD_V11,
     REG_ADD,
     Fixture,
     git,
@@ -275,3 +276,70 @@ def test_base_short_of_a_release_is_bad_input(fx: Fixture) -> None:
     git("tag", "v1.0", "v1.0.0", cwd=fx.upstream)
     p = fx.run("--base", "v1.0", "--repo", str(fx.upstream), "--stack", "fx")
     assert p.returncode == 0, p.stdout + p.stderr
+
+
+def two_stacks(fx: Fixture) -> None:
+    """Stack `old` pinned to v1.0.0, stack `new` to v1.1.0 (each fixes add),
+    and a commit after v1.1.0 on branch `after`."""
+    fixed_v11 = MOD_V11.replace("return a - b  # bug: subtraction", "return a + b")
+    fx.make_patch("old/0001-fix-add.patch", {"vllm/mod.py": FIXED_ADD},
+                  "[Core] Fix add", [REG_ADD], base="v1.0.0")
+    fx.make_patch("new/0001-fix-add.patch", {"vllm/mod.py": fixed_v11},
+                  "[Core] Fix add", [REG_ADD], base="v1.1.0")
+    fx.write_series(
+        "#@ stack old repo=https://example.invalid/vllm tag=v1.0.0\n"
+        "old/0001-fix-add.patch\n"
+        "#@ stack new repo=https://example.invalid/vllm tag=v1.1.0\n"
+        "new/0001-fix-add.patch\n")
+    work = fx.tmp / "after"
+    git("clone", "-q", str(fx.upstream), str(work), cwd=fx.tmp)
+    git("checkout", "-q", "--detach", "v1.1.0", cwd=work)
+    (work / "extra.txt").write_text("after v1.1.0\n")
+    git("add", "extra.txt", cwd=work)
+    git("commit", "-q", "-m", "after v1.1.0", cwd=work)
+    git("push", "-q", str(fx.upstream), "HEAD:refs/heads/after", cwd=work)
+
+
+def test_base_commit_picks_the_stack_of_its_release(fx: Fixture) -> None:
+    """A commit, an abbreviated one, a branch or HEAD of a clone (--repo,
+    or the current directory) is said as release + commits, and takes the
+    stack of that release, never the first stack by default."""
+    two_stacks(fx)
+    after = git("rev-parse", "after", cwd=fx.upstream).strip()
+    v100 = git("rev-parse", "v1.0.0^{commit}", cwd=fx.upstream).strip()
+    up = ["--repo", str(fx.upstream), "--no-tests"]
+    for base, said, stack in ((after, "v1.1.0 + 1 commit", "new"),
+                              (after[:9], "v1.1.0 + 1 commit", "new"),
+                              ("after", "v1.1.0 + 1 commit", "new"),
+                              (v100, "= v1.0.0", "old")):
+        p = fx.run(*up, "--base", base)
+        assert p.returncode == 0, p.stdout + p.stderr
+        assert f"base {base} (" in p.stderr and said in p.stderr, p.stderr
+        assert f"== stack {stack} on {base}" in p.stdout, p.stdout
+    clone = fx.tmp / "clone"
+    git("clone", "-q", "-b", "after", str(fx.upstream), str(clone), cwd=fx.tmp)
+    p = fx.run("--base", "HEAD", "--no-tests", cwd=clone)
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert "v1.1.0 + 1 commit" in p.stderr and "== stack new on HEAD" in p.stdout
+    assert git("status", "--porcelain", cwd=clone) == ""  # the clone untouched
+
+
+def test_base_commit_offline_without_a_clone(fx: Fixture) -> None:
+    """Offline, without a clone: a release's upstream commit that the cache
+    holds is that release; any other commit is exit 2 and one line."""
+    two_stacks(fx)
+    p = fx.run("--base", "0123abc4567", "--no-tests")
+    one_line_error(p, "--base 0123abc4567: no release below it", "--repo")
+    # the cache's v1.1.0, made from a release built from upstream 4567def89
+    cache = fx.cache / "vllm.git"
+    git("fetch", "-q", "--no-tags", str(fx.upstream), "+refs/tags/v1.1.0:refs/src",
+        cwd=cache)
+    tree = git("rev-parse", "refs/src^{tree}", cwd=cache).strip()
+    msg = "Release: v1.1.0\n\nUpstream-Commit: 4567def89\n"
+    c = subprocess.run(["git", "commit-tree", tree], input=msg, cwd=cache,
+                       capture_output=True, text=True, check=True).stdout.strip()
+    git("tag", "v1.1.0", c, cwd=cache)
+    p = fx.run("--base", "4567def890123", "--no-tests")
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert "base 4567def890123 = v1.1.0" in p.stderr, p.stderr
+    assert "== stack new on v1.1.0" in p.stdout, p.stdout
