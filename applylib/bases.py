@@ -147,7 +147,7 @@ def cache_repo() -> Path:
 
 def upstream_commit_of(repo: Path, commit: str) -> str | None:
     msg = gout("log", "-1", "--format=%B", commit, cwd=repo)
-    m = re.search(r"^Upstream-Commit: (\S+)$", msg, re.M)
+    m = re.search(r"^Upstream-Commit: (\S+)$", msg, re.MULTILINE)
     return m.group(1) if m else None
 
 

@@ -166,6 +166,7 @@ def git(
         capture_output=True,
         env=full_env,
         timeout=timeout,
+        check=False,
     )
     if check and proc.returncode != 0:
         err = proc.stderr.decode(errors="replace").strip().splitlines()

@@ -55,7 +55,7 @@ def in_lanes(items: Sequence[T], work: Callable[[int, T], R], n: int) -> list[R]
                 return
             try:
                 out[i] = work(k, items[i])
-            except Exception as e:  # re-raised in the caller's thread
+            except Exception as e:  # noqa: BLE001 (re-raised in the caller's thread)
                 failed.append(e)
 
     threads = [
