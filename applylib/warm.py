@@ -11,6 +11,7 @@ status and timeout are those of ``python -m pytest`` run in a subprocess.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -18,6 +19,8 @@ import tempfile
 import threading
 import weakref
 from pathlib import Path
+
+from .core import say
 
 SERVER = Path(__file__).with_name("warm_server.py")
 _local = threading.local()
@@ -70,7 +73,8 @@ def shutdown(proc: subprocess.Popen) -> None:
     proc.wait()
     for pipe in (proc.stdin, proc.stdout):
         if pipe is not None:
-            pipe.close()
+            with contextlib.suppress(OSError):  # a request it never read
+                pipe.close()
 
 
 def run_pytest(
@@ -78,11 +82,17 @@ def run_pytest(
 ) -> subprocess.CompletedProcess:
     """`python -m pytest argv` in `cwd` with `env`, forked from this lane's
     warm interpreter; raises subprocess.TimeoutExpired as subprocess.run."""
+    start = {k: v for k, v in env.items() if k != "PYTHONPATH"}
     server = getattr(_local, "server", None)
     if server is None or server.python != python or server.proc.poll() is not None:
-        start = {k: v for k, v in env.items() if k != "PYTHONPATH"}
         server = _local.server = Server(python, start)
-    rc, output = server.run(argv, cwd, env, timeout)
+    try:
+        rc, output = server.run(argv, cwd, env, timeout)
+    except OSError as e:  # it died: the run once more, from a new one
+        say(f"apply.py: {e}; starting another")
+        server.close()
+        server = _local.server = Server(python, start)
+        rc, output = server.run(argv, cwd, env, timeout)
     if rc is None:
         raise subprocess.TimeoutExpired(argv, timeout, output=output)
     return subprocess.CompletedProcess(argv, rc, output, "")

@@ -104,11 +104,13 @@ def main() -> None:
         if pid == 0:
             child(req)
         code = wait(pid, req["timeout"])
-        # answer first: the caller goes on while this preloads for the next
-        print(json.dumps({"rc": code, "warm": warm}), flush=True)
+        learned = None
         if warm and os.path.exists(req["modules"]):
-            with open(req["modules"]) as fh:
-                learned = json.load(fh)
+            with open(req["modules"]) as fh:  # read before the answer: the
+                learned = json.load(fh)  # caller then removes the folder
+        # answer, then preload for the next run while the caller goes on
+        print(json.dumps({"rc": code, "warm": warm}), flush=True)
+        if learned is not None:
             warm = preload(learned["modules"], learned["environ"])
 
 

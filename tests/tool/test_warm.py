@@ -68,3 +68,18 @@ def test_timeout_kills_the_run(tmp_path: Path) -> None:
     assert time.monotonic() - t0 < 30
     p = run(proj, tree, "t", "-k", "tree")  # the server still answers
     assert p.returncode == 0, p.stdout
+
+
+def test_a_server_that_died_is_replaced(tmp_path: Path,
+                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A server that died between two runs (before the lane noticed) costs
+    its warm modules, not the run: the run goes to a new server."""
+    proj, tree = project(tmp_path, "d")
+    assert run(proj, tree, "d", "-k", "tree").returncode == 0
+    server = warm._local.server
+    server.proc.kill()
+    server.proc.wait()
+    monkeypatch.setattr(server.proc, "poll", lambda: None)  # not noticed yet
+    p = run(proj, tree, "d", "-k", "tree")
+    assert p.returncode == 0, p.stdout
+    assert warm._local.server is not server
