@@ -335,9 +335,8 @@ def test_base_commit_offline_without_a_clone(fx: Fixture) -> None:
     git("fetch", "-q", "--no-tags", str(fx.upstream), "+refs/tags/v1.1.0:refs/src",
         cwd=cache)
     tree = git("rev-parse", "refs/src^{tree}", cwd=cache).strip()
-    msg = "Release: v1.1.0\n\nUpstream-Commit: 4567def89\n"
-    c = subprocess.run(["git", "commit-tree", tree], input=msg, cwd=cache,
-                       capture_output=True, text=True, check=True).stdout.strip()
+    c = git("commit-tree", tree, "-m", "Release: v1.1.0",
+            "-m", "Upstream-Commit: 4567def89", cwd=cache)
     git("tag", "v1.1.0", c, cwd=cache)
     p = fx.run("--base", "4567def890123", "--no-tests")
     assert p.returncode == 0, p.stdout + p.stderr
