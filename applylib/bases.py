@@ -27,6 +27,7 @@ from .core import (
     git_common_dir,
     gout,
     open_repo,
+    probe_writable,
     rev_commit,
     say,
 )
@@ -48,9 +49,7 @@ def cache_dir() -> Path:
 @functools.cache
 def writable_cache(path: Path) -> Path:
     try:
-        path.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryFile(dir=path):
-            pass
+        probe_writable(path)
     except OSError as e:
         raise UserError(
             f"the tool's cache {path} is not writable ({e.strerror}): "

@@ -274,14 +274,19 @@ def patch_names(
     sp.add_argument("patches", nargs="*", help=help)
 
 
+def probe_writable(folder: Path) -> None:
+    """Make `folder` and write a file there: OSError when it cannot be."""
+    folder.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryFile(dir=folder):
+        pass
+
+
 def writable_output(path: Path, flag: str) -> None:
     """Refuse an output path the run could not write, before the run."""
     target = path.expanduser().resolve()
     try:
         if target.is_dir():
             raise IsADirectoryError(21, "is a directory")
-        target.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryFile(dir=target.parent):
-            pass
+        probe_writable(target.parent)
     except OSError as e:
         raise UserError(f"{flag} {path}: cannot write there ({e.strerror})") from None

@@ -180,27 +180,7 @@ def run_tests(
             *files,
         ]
         say(f"apply.py: pytest ({label}): {len(node_ids)} node id(s)")
-        timeout = float(os.environ.get("VLLM_PATCHES_RUN_TIMEOUT", "5400"))
-        lost = ""
-        try:
-            if warm and warm_enabled():
-                proc = run_pytest(python, cmd[3:], root, env, timeout)
-            else:
-                proc = subprocess.run(
-                    cmd,
-                    cwd=root,
-                    env=env,
-                    capture_output=True,
-                    text=True,
-                    timeout=timeout,
-                    check=False,
-                )
-            output = proc.stdout + proc.stderr
-        except subprocess.TimeoutExpired as e:
-            lost = f"the pytest run timed out after {timeout:.0f} s"
-            output = f"{lost}\n{e.stdout or ''}"
-        except OSError as e:
-            raise UserError(f"cannot run the test Python '{python}': {e}") from None
+        output, lost = pytest_run(cmd, root, env, warm)
         cases = parse_junit(xml) if xml.exists() else []
     if not cases and not lost:
         lines = [ln for ln in output.strip().splitlines() if ln.strip()]
@@ -213,6 +193,32 @@ def run_tests(
         else:
             out[nid] = aggregate([o for _, o in mine])
     return out, output
+
+
+def pytest_run(cmd: list[str], root: Path, env: dict, warm: bool) -> tuple[str, str]:
+    """`cmd` (python -m pytest ...) in `root`, in a fresh interpreter or,
+    with `warm`, forked from this thread's warm one: its output, and why
+    its results are lost ("" when they are not)."""
+    timeout = float(os.environ.get("VLLM_PATCHES_RUN_TIMEOUT", "5400"))
+    try:
+        if warm and warm_enabled():
+            proc = run_pytest(cmd[0], cmd[3:], root, env, timeout)
+        else:
+            proc = subprocess.run(
+                cmd,
+                cwd=root,
+                env=env,
+                capture_output=True,
+                text=True,
+                timeout=timeout,
+                check=False,
+            )
+    except subprocess.TimeoutExpired as e:
+        lost = f"the pytest run timed out after {timeout:.0f} s"
+        return f"{lost}\n{e.stdout or ''}", lost
+    except OSError as e:
+        raise UserError(f"cannot run the test Python '{cmd[0]}': {e}") from None
+    return proc.stdout + proc.stderr, ""
 
 
 def covers(requested: str, case: str) -> bool:
