@@ -17,6 +17,8 @@ by editing the tree under test:
   ``CUDA_VISIBLE_DEVICES=""`` and ``TRITON_INTERPRET=1`` are set; with them
   the TurboQuant Triton kernels run in Triton's interpreter on CPU tensors.
   Both are set (unless already set) when torch sees no CUDA device.
+  Under the interpreter ``tqharness.faster_interpreter`` drops its repeated
+  patching of ``triton.language`` at every jit'd helper call.
 * The tree must be the only vLLM every process sees, subprocesses
   included (vLLM inspects model classes in a subprocess), with caches of
   the run's own: apply.py gives each run that environment
@@ -59,6 +61,10 @@ settings.load_profile("vllm-patches")
 if not HAS_CUDA:
     os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")
     os.environ.setdefault("TRITON_INTERPRET", "1")
+if os.environ.get("TRITON_INTERPRET") == "1":
+    import tqharness
+
+    tqharness.faster_interpreter()
 
 if TREE and not os.environ.get("VLLM_PATCHES_TREE_ENV"):
     # Run by hand: the environment apply.py gives every run.

@@ -11,7 +11,8 @@ bug cannot be timed here; the reads are its signature).
 The other tests hold the new kernel to the old one's numbers and contract:
 its outputs against float64 attention over the K/V the cache holds (read
 back from the bytes, ``tqbatches.dequant``) no worse than v0.33.0's kernel
-at every shape, for every preset; the same bits on the same inputs and
+(on CPU: than the output's rounding, which v0.33.0's error is there) at
+every shape, for every preset; the same bits on the same inputs and
 after a CUDA-graph style capture and refill; within the workspace the
 builder reserves before the lock; and its split count from host sizes only.
 Its error does not grow with the tokens one split walks, with ``tl.dot``
@@ -217,18 +218,25 @@ def test_matches_reference_no_worse_than_v0_33(shape_env) -> None:
     the grouped kernel's largest error is at most v0.33.0's, or within the
     output's own rounding (half an fp16 ulp at the largest |output|). A
     padding row of no tokens gives zeros; the same inputs give the same
-    bits."""
+    bits. In Triton's interpreter (numpy fp32, no tensor cores) v0.33.0's
+    error at these shapes is the output's rounding (2026-11-27: at most
+    1.002 half ulps in each of the 20 cases), so there the bound is the
+    rounding and v0.33.0's kernel, three quarters of the test's time on
+    CPU, runs on a GPU only."""
     env, (cached, splits) = shape_env
     impl, layer, batch = tb.decode_batch(env, cached, seed=sum(cached) + splits)
-    old, new = tb.decode_kernels(impl, layer, batch, splits, pad=1, old_splits=4)
+    old_splits = 4 if torch.cuda.is_available() else None
+    old, new = tb.decode_kernels(impl, layer, batch, splits, 1, old_splits)
     want = torch.cat(tb.reference(batch, impl, layer))
-    got_new, got_old = (t[:-1].cpu().double().reshape(want.shape) for t in (new, old))
+    got_new = new[:-1].cpu().double().reshape(want.shape)
     err_new = (got_new - want).abs().max().item()
-    err_old = (got_old - want).abs().max().item()
-    bound = max(err_old, tb.half_ulp(new.dtype, want))
+    bound = rounding = tb.half_ulp(new.dtype, want)
+    if old is not None:
+        got_old = old[:-1].cpu().double().reshape(want.shape)
+        bound = max((got_old - want).abs().max().item(), rounding)
     assert err_new <= bound * 1.01, (
-        f"grouped decode error {err_new:.3g} > v0.33.0's {err_old:.3g} "
-        f"(output rounding {tb.half_ulp(new.dtype, want):.3g})"
+        f"grouped decode error {err_new:.3g} > {bound:.3g}, v0.33.0's or the "
+        f"output's rounding ({rounding:.3g})"
     )
     assert torch.equal(new[-1], torch.zeros_like(new[-1])), "padding row not zero"
     _, again = tb.decode_kernels(impl, layer, batch, splits, pad=1, old_splits=None)
