@@ -117,7 +117,9 @@ def describe_base(rev: str, user_repo: Path | None) -> tuple[str, str] | None:
         commit = rev_commit(user_repo, rev)
         if commit is None:
             raise UserError(f"unknown revision '{rev}' in {user_repo}")
-        describe = ["describe", "--tags", "--long", "--match", "v[0-9]*", commit]
+        # releases only: a release candidate (v0.34.0rc1) is no release
+        releases = ["--match", "v[0-9]*", "--exclude", "v*[!0-9.]*"]
+        describe = ["describe", "--tags", "--long", *releases, commit]
         desc = git(*describe, cwd=user_repo, check=False).stdout.decode().strip()
         m = re.fullmatch(r"(.+)-(\d+)-g[0-9a-f]+", desc)
         if not m or not RELEASE_TAG.match(m.group(1)):

@@ -594,6 +594,21 @@ def stack_pin(stack: Stack) -> str:
     return f"pinned to {p.get('tag') or p.get('branch') or p.get('commit', '?')}"
 
 
+def say_between_pins(series: Series, release: str) -> None:
+    """A release between two stacks' pins has no stack made for it: which
+    patches of the older stack apply there is in the table; the newer
+    stack is the other one to try."""
+    around = series.pins_around(release)
+    if around:
+        old, new = around
+        say(
+            f"apply.py: no stack is pinned to {release}: it lies between "
+            f"'{old.name}' ({stack_pin(old)}) and '{new.name}' ({stack_pin(new)}); "
+            f"a patch of '{old.name}' that does not apply needs a port, and "
+            f"--stack {new.name} tries the newer stack's (docs/releases.md)"
+        )
+
+
 def cmd_apply(args: argparse.Namespace) -> int:
     series = parse_series(Path(args.series))
     check_agreement(series)
@@ -621,6 +636,7 @@ def cmd_apply(args: argparse.Namespace) -> int:
                 f"apply.py: --base {args.base} without --stack: using stack "
                 f"'{stacks[0].name}' ({stack_pin(stacks[0])})"
             )
+            say_between_pins(series, release)
     report = {
         "tool": "apply.py",
         "series": str(series.path),

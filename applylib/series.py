@@ -79,20 +79,30 @@ class Series:
             return self.stack(name)
         return self.stack_for_base(base)
 
+    def released(self) -> list[tuple[tuple[int, ...], Stack]]:
+        """The stacks pinned to a release, oldest pin first, by its key."""
+        keyed = [(release_key(s.pins.get("tag", "")), s) for s in self.stacks]
+        return sorted(((k, s) for k, s in keyed if k), key=lambda ks: ks[0])
+
     def stack_for_base(self, base: str) -> Stack:
         """The stack a bare --base means: the one pinned to that tag, else the
         one pinned to the newest release before it, else the first."""
         want = release_key(base)
-        released = [
-            (release_key(s.pins.get("tag", "")), s)
-            for s in self.stacks
-            if release_key(s.pins.get("tag", ""))
-        ]
-        exact = [s for k, s in released if k == want]
+        exact = [s for k, s in self.released() if k == want]
         if exact or not want:
             return (exact or self.stacks)[0]
-        before = sorted(((k, s) for k, s in released if k < want), key=lambda x: x[0])
-        return before[-1][1] if before else self.stacks[0]
+        before = [s for k, s in self.released() if k < want]
+        return before[-1] if before else self.stacks[0]
+
+    def pins_around(self, base: str) -> tuple[Stack, Stack] | None:
+        """The stacks pinned to the newest release before `base` and the
+        oldest after it, when `base` is a release between two pins."""
+        want = release_key(base)
+        if not want:
+            return None
+        before = [s for k, s in self.released() if k < want]
+        after = [s for k, s in self.released() if k > want]
+        return (before[-1], after[0]) if before and after else None
 
     def digest(self, stack: Stack) -> str:
         h = hashlib.sha256()
@@ -236,7 +246,7 @@ def parse_stack(
     bad = set(kv) - STACK_KEYS
     if bad:
         raise UserError(
-            f"{where}: malformed directive: unknown key '{sorted(bad)[0]}' "
+            f"{where}: malformed directive: unknown key '{min(bad)}' "
             f"(known: {', '.join(sorted(STACK_KEYS))})"
         )
     if not ({"commit", "tag", "branch"} & set(kv)):
@@ -315,7 +325,7 @@ class Patch:
         return out
 
 
-DIFF_GIT = re.compile(rb"^diff --git a/(\S+) b/(\S+)$", re.M)
+DIFF_GIT = re.compile(rb"^diff --git a/(\S+) b/(\S+)$", re.MULTILINE)
 
 
 def load_patch(series: Series, entry: str) -> Patch:
@@ -331,7 +341,7 @@ def load_patch(series: Series, entry: str) -> Patch:
             f"patches/{entry}: not a git format-patch file "
             "(no mbox header, '---' line or diff)"
         )
-    m = re.search(r"^Subject: (.*(?:\n [^\n]*)*)$", head, re.M)
+    m = re.search(r"^Subject: (.*(?:\n [^\n]*)*)$", head, re.MULTILINE)
     subject = re.sub(r"\n ", " ", m.group(1)) if m else ""
     body = head.split("\n\n", 1)[1] if "\n\n" in head else ""
     files = []
@@ -341,7 +351,9 @@ def load_patch(series: Series, entry: str) -> Patch:
                 files.append(f)
     for f in files:
         check_safe_relpath(f, f"patches/{entry}: touches")
-    if b"\nGIT binary patch\n" in raw or re.search(rb"^Binary files ", raw, re.M):
+    if b"\nGIT binary patch\n" in raw or re.search(
+        rb"^Binary files ", raw, re.MULTILINE
+    ):
         raise UserError(f"patches/{entry}: binary diff (patches must be text)")
     return Patch(entry, path, subject, body, files, raw)
 
@@ -354,8 +366,8 @@ def lint_patch(series: Series, p: Patch) -> list[str]:
         probs.append(
             f"{where}: not exported with --zero-commit (use 'apply.py format-patch')"
         )
-    if re.search(rb"^index [0-9a-f]{7,39}\.\.", p.raw, re.M) and not re.search(
-        rb"^index [0-9a-f]{40}\.\.[0-9a-f]{40}", p.raw, re.M
+    if re.search(rb"^index [0-9a-f]{7,39}\.\.", p.raw, re.MULTILINE) and not re.search(
+        rb"^index [0-9a-f]{40}\.\.[0-9a-f]{40}", p.raw, re.MULTILINE
     ):
         probs.append(f"{where}: index lines are abbreviated (use --full-index)")
     if re.search(rb"\n-- \n[0-9][^\n]*\n*\Z", p.raw):

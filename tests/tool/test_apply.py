@@ -217,7 +217,7 @@ def test_series_hash_and_report_shape(fx: Fixture) -> None:
 def test_help_for_every_command() -> None:
     for cmd in ([], ["check"], ["test"], ["base"], ["format-patch"]):
         p = subprocess.run([sys.executable, str(APPLY), *cmd, "--help"],
-                           capture_output=True, text=True)
+                           capture_output=True, text=True, check=False)
         assert p.returncode == 0
         assert "example" in p.stdout
 
@@ -322,6 +322,36 @@ def test_base_commit_picks_the_stack_of_its_release(fx: Fixture) -> None:
     assert p.returncode == 0, p.stdout + p.stderr
     assert "v1.1.0 + 1 commit" in p.stderr and "== stack new on HEAD" in p.stdout
     assert git("status", "--porcelain", cwd=clone) == ""  # the clone untouched
+
+
+def test_base_commit_after_a_release_candidate(fx: Fixture) -> None:
+    """A commit after a release candidate's tag (v1.2.0rc1, on the way to
+    the next release) stands on the release below it, not on the rc."""
+    two_stacks(fx)
+    work = fx.tmp / "rc"
+    git("clone", "-q", "-b", "after", str(fx.upstream), str(work), cwd=fx.tmp)
+    git("tag", "v1.2.0rc1", cwd=work)
+    git("commit", "-q", "--allow-empty", "-m", "after the rc", cwd=work)
+    p = fx.run("--base", "HEAD", "--no-tests", cwd=work)
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert "v1.1.0 + 2 commits" in p.stderr and "== stack new on HEAD" in p.stdout
+
+
+def test_base_between_pins_names_both_stacks(fx: Fixture) -> None:
+    """A release between two stacks' pins: the older stack runs, and one
+    line says none is made for it and which stack to try besides."""
+    two_stacks(fx)
+    git("tag", "v1.0.5", "v1.0.0^{commit}", cwd=fx.upstream)
+    up = ["--repo", str(fx.upstream), "--no-tests", "--base"]
+    p = fx.run(*up, "v1.0.5")
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert (
+        "no stack is pinned to v1.0.5: it lies between 'old' (pinned to "
+        "v1.0.0) and 'new' (pinned to v1.1.0)" in p.stderr
+    ), p.stderr
+    assert "--stack new tries" in p.stderr and "== stack old on v1.0.5" in p.stdout
+    p = fx.run(*up, "v1.1.0")
+    assert p.returncode == 0 and "no stack is pinned" not in p.stderr
 
 
 def test_base_commit_offline_without_a_clone(fx: Fixture) -> None:
