@@ -87,11 +87,11 @@ class Series:
     def stack_for_base(self, base: str) -> Stack:
         """The stack a bare --base means: the one pinned to that tag, else the
         one pinned to the newest release before it, else the first."""
-        want = release_key(base)
-        exact = [s for k, s in self.released() if k == want]
+        want, released = release_key(base), self.released()
+        exact = [s for k, s in released if k == want]
         if exact or not want:
             return (exact or self.stacks)[0]
-        before = [s for k, s in self.released() if k < want]
+        before = [s for k, s in released if k < want]
         return before[-1] if before else self.stacks[0]
 
     def pins_around(self, base: str) -> tuple[Stack, Stack] | None:
@@ -100,8 +100,9 @@ class Series:
         want = release_key(base)
         if not want:
             return None
-        before = [s for k, s in self.released() if k < want]
-        after = [s for k, s in self.released() if k > want]
+        released = self.released()
+        before = [s for k, s in released if k < want]
+        after = [s for k, s in released if k > want]
         return (before[-1], after[0]) if before and after else None
 
     def digest(self, stack: Stack) -> str:

@@ -122,6 +122,7 @@ specs_per_worker, memory_per_worker)``
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
 import itertools
 import json
@@ -426,23 +427,20 @@ def faster_interpreter() -> None:
     patch = interpreter._patch_lang
     if getattr(patch, "skips_nested", False):
         return
-    langs: dict[Any, frozenset[int]] = {}
     launches: list[frozenset[int] | None] = []  # None: launch not patched yet
 
+    @functools.cache
     def lang_modules(fn: Any) -> frozenset[int]:
-        if fn not in langs:
-            mods = (tl, tl.core)
-            langs[fn] = frozenset(
-                id(v) for v in fn.__globals__.values() if any(v is m for m in mods)
-            )
-        return langs[fn]
+        return frozenset(
+            id(v) for v in fn.__globals__.values() if v is tl or v is tl.core
+        )
 
     def patch_lang(fn: Any) -> Any:
         mods = lang_modules(fn)
         done = launches[-1] if launches else None
         if done is not None and mods <= done:
             return interpreter._LangPatchScope()  # nothing to restore
-        scope = patch(fn)  # a helper's scope is never restored: it holds
+        scope = patch(fn)  # Triton drops a helper's scope: its patches hold
         if launches:
             launches[-1] = mods | (done or frozenset())
         return scope
@@ -456,17 +454,12 @@ def faster_interpreter() -> None:
         finally:
             launches.pop()
 
-    np_dtype, np_dtypes = interpreter._get_np_dtype, {}
+    np_dtype = interpreter._get_np_dtype
+    scalar_np_dtype = functools.cache(np_dtype)  # pointer types: unhashable
 
     def get_np_dtype(ty: Any) -> Any:
-        """Its numpy dtype, built once per scalar type (Triton builds a
-        table of 19 at every call)."""
         ty = ty.element_ty if isinstance(ty, tl.block_type) else ty
-        if isinstance(ty, tl.pointer_type):
-            return np_dtype(ty)
-        if ty not in np_dtypes:
-            np_dtypes[ty] = np_dtype(ty)
-        return np_dtypes[ty]
+        return np_dtype(ty) if isinstance(ty, tl.pointer_type) else scalar_np_dtype(ty)
 
     patch_lang.skips_nested = True  # type: ignore[attr-defined]
     interpreter._patch_lang = patch_lang
