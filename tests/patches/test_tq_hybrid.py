@@ -709,6 +709,23 @@ def test_dense_block_size_kept(
     assert got == want, f"dense block size {got}, {want} by the first backend"
 
 
+@pytest.mark.parametrize("preset", TQ_PRESETS)
+def test_spec_from_a_cache_config_with_the_block_size_alone(
+    engine_env, tmp_path: Path, preset: str
+) -> None:
+    """A TurboQuant layer's spec from a config stand-in that holds the block
+    size alone, as vLLM's own spec tests pass it: outside a hybrid the layer
+    reads no other field (``skip_page_size_padded``, the model config)."""
+    vllm_config = engine_config(llama(), tmp_path, kv_cache_dtype=preset)
+    attn = h.build_tq_attention(vllm_config, 32, 128, 8)
+    stand_in = types.SimpleNamespace(cache_config=types.SimpleNamespace(block_size=32))
+    try:
+        spec = attn.get_kv_cache_spec(stand_in)
+    except AttributeError as e:
+        raise AssertionError(f"the spec reads more than the block size: {e}") from e
+    assert spec.block_size == 32 and spec.dtype == torch.uint8, spec
+
+
 @pytest.mark.parametrize(
     "name, make_config",
     [
