@@ -163,12 +163,13 @@ def with_pinned_base(
     another base (obtained into the same repository, from its wheel if need
     be): git am's 3-way fallback merges from the blobs the patches were made
     on (runner.preimages), and without them a drifted patch fails outright
-    instead of merging or conflicting."""
+    instead of merging or conflicting. The pinned base is sought only
+    once `rev`'s is at hand: a base that cannot be had downloads nothing."""
+    base = resolve_base(stack, rev, user_repo, offline, fetched)
     pinned = None
     if rev is not None:
         with contextlib.suppress(BaseUnavailable):
             pinned = resolve_base(stack, None, user_repo, offline, fetched)
-    base = resolve_base(stack, rev, user_repo, offline, fetched)
     if pinned is not None and (pinned.repo, pinned.commit) == (base.repo, base.commit):
         pinned = None
     return base, pinned

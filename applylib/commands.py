@@ -116,9 +116,16 @@ def roundtrip(
     """
     found = roundtrip_base(stack, user_repo, fetched)
     if found is None:
+        get = f"run 'apply.py base --stack {stack.name}' first"
+        if stack.pins.get("assemble"):
+            get = (
+                "give --fetched DIR, the pinned files it is assembled from"
+                if fetched is None
+                else f"run 'apply.py base --stack {stack.name} --fetched {fetched}'"
+            )
         print(
             f"note: stack {stack.name}: base not at hand, export round-trip "
-            "not checked (run 'apply.py base --stack NAME' first)"
+            f"not checked ({get})"
         )
         return []
     repo, base = found
