@@ -29,7 +29,8 @@ by editing the tree under test:
   ``cpu_platform`` fixture installs vLLM's ``CpuPlatform`` for tests that
   need one.
 * Generated (hypothesis) tests draw the same examples everywhere: a fixed
-  seed per test, no example database (the ``vllm-patches`` profile below).
+  seed per test, no example database (the ``vllm-patches`` profile below),
+  and at most ``SHRINK_SECONDS`` of shrinking a failure.
 * ``WorkspaceManager`` calls ``torch.accelerator.empty_cache()`` when it
   grows, which raises on a CPU-only torch: the autouse fixture
   ``_accelerator_empty_cache_noop`` makes it a no-op when no accelerator
@@ -47,6 +48,7 @@ from pathlib import Path
 import pytest
 import torch
 from hypothesis import settings
+from hypothesis.internal.conjecture import engine
 
 HAS_CUDA = torch.cuda.is_available()
 TREE = os.environ.get("VLLM_TREE", "")
@@ -57,6 +59,11 @@ TREE = os.environ.get("VLLM_TREE", "")
 # test's own @settings refine this profile.
 settings.register_profile("vllm-patches", derandomize=True, database=None)
 settings.load_profile("vllm-patches")
+# A failing generated test stops shrinking after this long (hypothesis'
+# own cap, 300 s, has no setting): what a verdict on a base tree costs at
+# most, the failure reported the smallest found by then.
+SHRINK_SECONDS = 60
+engine.MAX_SHRINKING_SECONDS = SHRINK_SECONDS
 
 if not HAS_CUDA:
     os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")

@@ -25,7 +25,15 @@ Three modes, as the runner drives the backend:
   to an eager step, and right;
 * async scheduling (``test_async_host_upper_bound``): the host knows only
   an upper bound of the seq_lens of rows whose drafts were partly rejected;
-  the output must not change (bit-identical) and must be right.
+  the output must not change (bit-identical) and must be right; and both
+  at once (``test_async_graph_replay``): a replay whose step has host
+  upper bounds equals an eager step with exact ones.
+
+Continuations walk their context in 2-3 tiles (the tile shrunk to one
+block). Decode steps of 8-32 rows run in full graphs
+(``test_decode_steps_of_8_to_32_rows``), and eager steps and wide decode
+steps run again at a second shape set as deployed (``WIDE``: GQA 4, head
+size 128, bf16, k8v4 and 3bit_nc, a 16-token block and a 48-token one).
 
 A failure names the request, its batch (minimized by hypothesis) and the
 error, and says what the row did where that can be told: a row with cached
@@ -38,9 +46,10 @@ flash-attn paths, v0.20.2 and v0.33.0), capture of the first-chunk branch
 (async, v0.21.0+), host reads under capture (graph, v0.20.x: #40807).
 
 CI runs a bounded, fixed-seed search (``derandomize``, no example
-database); ``TQ_BATCH_EXAMPLES=N`` sets the examples per test for a longer
-hand run. Tolerance: ``tqbatches.TOLERANCE`` (how it is derived is written
-there).
+database, a failure shrunk for at most ``conftest.SHRINK_SECONDS``; its
+cost is in docs/testing.md); ``TQ_BATCH_EXAMPLES=N`` sets the examples per
+test for a longer hand run. Tolerance: ``tqbatches.tolerance``, by the
+model's dtype (how it is derived is written there).
 """
 
 from __future__ import annotations
@@ -52,7 +61,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 import tqbatches as tb
+import tqharness as h
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
@@ -69,6 +80,22 @@ LONG = int(os.environ.get("TQ_BATCH_EXAMPLES", "0"))
 THRESHOLD = tb.THRESHOLD if LONG else 4
 SPLITS = 4
 MAX_CACHED = 300 if LONG else 48  # the model's max_model_len: 512
+# The second shape set, as deployed: GQA 4, head size 128, bf16, the
+# k8v4 and 3bit_nc presets, a 16-token block and a block of 48 (a hybrid
+# model's block is a multiple of 16 that need not be a power of two).
+WIDE = {
+    "k8v4-d128": tb.Shape(
+        hq=4, hk=1, head=128, preset="turboquant_k8v4", dtype=torch.bfloat16
+    ),
+    "3bit_nc-d128-block48": tb.Shape(
+        hq=4,
+        hk=1,
+        head=128,
+        block=48,
+        preset="turboquant_3bit_nc",
+        dtype=torch.bfloat16,
+    ),
+}
 
 # How each bug shows.
 IGNORES_CONTEXT = r"^request \d+ .* ignores its cached context"
@@ -93,18 +120,36 @@ def search(examples: int) -> Any:
     )
 
 
-@pytest.fixture(scope="module")
-def env(
-    vllm_tree: Path, tmp_path_factory: pytest.TempPathFactory
+def opened(
+    vllm_tree: Path, tmp_path_factory: pytest.TempPathFactory, shape: tb.Shape
 ) -> Iterator[tb.Backend]:
+    """The tree's backend at ``shape``, its continuation tile shrunk to one
+    block (a continuation walks 2-3 tiles) and its threshold CI's."""
     with pytest.MonkeyPatch.context() as mp:
         model_dir = tmp_path_factory.mktemp("tiny_qwen3")
-        backend = tb.open_backend(vllm_tree, model_dir, SHAPE, mp.setattr)
+        backend = tb.open_backend(vllm_tree, model_dir, shape, mp.setattr)
+        h.shrink_continuation_tile(backend.tq, shape.block, mp.setattr)
         mp.setattr(backend.tq, "_CONTINUATION_DECODE_THRESHOLD", THRESHOLD)
         if not LONG:
             tb.small_continuation_splits(backend.tq, SPLITS, mp.setattr)
         yield backend
         tb.close_backend()
+
+
+@pytest.fixture(scope="module")
+def env(
+    vllm_tree: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tb.Backend]:
+    yield from opened(vllm_tree, tmp_path_factory, SHAPE)
+
+
+@pytest.fixture(scope="module", params=list(WIDE))
+def wide_env(
+    request: pytest.FixtureRequest,
+    vllm_tree: Path,
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[tb.Backend]:
+    yield from opened(vllm_tree, tmp_path_factory, WIDE[request.param])
 
 
 @pytest.fixture(params=["flash-attn", "no-flash-attn"])
@@ -225,6 +270,35 @@ def async_batches(draw: Any, lim: Limits = LIMITS) -> tuple[list[Req], dict[int,
     return reqs, over
 
 
+def limits(shape: tb.Shape) -> Limits:
+    """A shape's batches: contexts of at least 3 blocks (3 tiles)."""
+    return Limits(shape.block, max(MAX_CACHED, 3 * shape.block), THRESHOLD)
+
+
+@st.composite
+def wide_decodes(draw: Any, lim: Limits = LIMITS) -> tuple[list[Req], int]:
+    """A full graph's decode step of 8-32 rows, padded up to the runner's
+    capture size (a multiple of 8)."""
+    reqs = draw(st.lists(lim.decode(), min_size=8, max_size=32))
+    return draw(with_prefix_hits(reqs, lim.block)), -len(reqs) % 8
+
+
+@st.composite
+def async_uniform_batches(
+    draw: Any, lim: Limits = LIMITS
+) -> tuple[list[Req], dict[int, int], int]:
+    """Async spec decode in a full graph: every row verifies 1 + k tokens,
+    some rows' host seq_lens up to k past the device's, padding rows."""
+    k = draw(st.integers(1, 3))
+    reqs = draw(
+        st.lists(st.builds(Req, lim.cached(), st.just(1 + k)), min_size=1, max_size=4)
+    )
+    reqs = draw(with_prefix_hits(reqs, lim.block))
+    rows = st.integers(0, len(reqs) - 1)
+    over = draw(st.dictionaries(rows, st.integers(1, k), min_size=1))
+    return reqs, over, draw(st.integers(0, 2))
+
+
 # --------------------------------------------------------------------------
 # The tolerance actually needed
 # --------------------------------------------------------------------------
@@ -240,7 +314,8 @@ def report_worst(request: pytest.FixtureRequest) -> Iterator[None]:
         with capture.global_and_fixture_disabled():
             print(
                 f"\ntest_tq_batches: largest |out - reference| of a passing "
-                f"row: {tb.WORST['error']:.3g} (tolerance {tb.TOLERANCE})"
+                f"row: {tb.WORST['error']:.3g} (tolerance {tb.TOLERANCE} fp16, "
+                f"{tb.BF16_TOLERANCE} bf16)"
             )
 
 
@@ -317,3 +392,70 @@ def test_async_host_upper_bound(env, flash_attn, batch, seed) -> None:
     reqs, over = batch
     impl, layer = tb.new_impl(env, flash_attn)
     tb.check_async(env, impl, layer, reqs, over, seed)
+
+
+@search(examples=6)
+@given(batch=async_uniform_batches(), seed=st.integers(0, 1 << 16))
+def test_async_graph_replay(env, flash_attn, batch, seed) -> None:
+    """Async scheduling with full CUDA graphs: a replay whose step has host
+    seq_lens upper bounds equals an eager step with exact ones, bit for bit,
+    and is right."""
+    reqs, over, pad = batch
+    impl, layer = tb.new_impl(env, flash_attn)
+    padded = {"pad_tokens": pad * reqs[0].q, "pad_reqs": pad, "store_context": False}
+    real = tb.make_batch(env, impl, layer, reqs, seed, optimistic=over, **padded)
+    exact = tb.make_batch(env, impl, layer, reqs, seed, **padded)
+    tb.check_replay(env, impl, layer, real, pad, exact=exact)
+
+
+# --------------------------------------------------------------------------
+# Wider batches and the second shape set
+# --------------------------------------------------------------------------
+
+
+def replay_decodes(backend: tb.Backend, batch: tuple[list[Req], int], seed: int):
+    reqs, pad = batch
+    impl, layer = tb.new_impl(backend, "flash-attn")
+    real = tb.make_batch(
+        backend,
+        impl,
+        layer,
+        reqs,
+        seed,
+        pad_tokens=pad,
+        pad_reqs=pad,
+        store_context=False,
+    )
+    tb.check_replay(backend, impl, layer, real, pad)
+
+
+@search(examples=3)
+@given(batch=wide_decodes(), seed=st.integers(0, 1 << 16))
+def test_decode_steps_of_8_to_32_rows(env, flash_attn, batch, seed) -> None:
+    """Decode steps as a server at 8-32 concurrent requests forms them, in
+    a full graph: replay equals eager bit for bit, and every row is right."""
+    replay_decodes(env, batch, seed)
+
+
+@search(examples=6)
+@given(data=st.data(), pad=st.integers(0, 3), seed=st.integers(0, 1 << 16))
+def test_every_batch_at_wide_shapes(wide_env, monkeypatch, data, pad, seed) -> None:
+    """``test_every_batch_matches_reference`` at the second shape set
+    (``WIDE``), flash-attn's code paths, contexts of up to 3 blocks."""
+    attention = tb.use_attention("flash-attn", wide_env, monkeypatch.setattr)
+    impl, layer = tb.new_impl(wide_env, attention)
+    reqs = data.draw(mixed_batches(limits(wide_env.shape)), label="reqs")
+    batch = tb.make_batch(
+        wide_env, impl, layer, reqs, seed, pad_tokens=pad, store_context=False
+    )
+    meta = wide_env.builder().build(0, tb.watched(batch.cam))
+    tb.check_rows(tb.run_step(impl, layer, batch, meta), batch, impl, layer)
+
+
+@search(examples=2)
+@given(data=st.data(), seed=st.integers(0, 1 << 16))
+def test_decode_steps_at_wide_shapes(wide_env, monkeypatch, data, seed) -> None:
+    """``test_decode_steps_of_8_to_32_rows`` at the second shape set."""
+    tb.use_attention("flash-attn", wide_env, monkeypatch.setattr)
+    batch = data.draw(wide_decodes(limits(wide_env.shape)), label="batch")
+    replay_decodes(wide_env, batch, seed)

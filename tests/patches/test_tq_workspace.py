@@ -188,14 +188,8 @@ def backend_module():
 
 
 def shrink_tile(monkeypatch: pytest.MonkeyPatch, tokens: int) -> None:
-    """Walk the context in tiles of ``tokens`` (before the impl is built).
-
-    The bounds are the patched backend's constants; on a tree without them
-    this sets unused names (raising=False), so the test still runs there.
-    """
-    tqa = backend_module()
-    monkeypatch.setattr(tqa, "_CONTINUATION_TILE_MIN", tokens, raising=False)
-    monkeypatch.setattr(tqa, "_CONTINUATION_TILE_MAX", tokens, raising=False)
+    """Walk the context in tiles of ``tokens`` (before the impl is built)."""
+    h.shrink_continuation_tile(backend_module(), tokens, monkeypatch.setattr)
 
 
 def workspace_identity(workspace) -> tuple[int, int]:

@@ -52,9 +52,7 @@ def open_env(
     opened = []
 
     def open_(shape: tb.Shape = tb.UQ_SHAPE, **config: Any) -> tb.Backend:
-        tq = h.tq_module()
-        monkeypatch.setattr(tq, "_CONTINUATION_TILE_MIN", TILE, raising=False)
-        monkeypatch.setattr(tq, "_CONTINUATION_TILE_MAX", TILE, raising=False)
+        h.shrink_continuation_tile(h.tq_module(), TILE, monkeypatch.setattr)
         backend = tb.open_ultraquant(
             vllm_tree, tmp_path, monkeypatch.setattr, shape, THRESHOLD, **config
         )

@@ -361,6 +361,15 @@ def tq_module() -> Any:
     return importlib.import_module(TQ_MODULE)
 
 
+def shrink_continuation_tile(tq: Any, tokens: int, setattr: Any) -> None:
+    """Walk a continuation's cached context in tiles of ``tokens``: the
+    tile's bounds (tq/0001's and tq-v0.33/0001's constants) as the builder
+    and the impl read them when built. On a tree without them the names are
+    set unused, so a test runs there as well."""
+    setattr(tq, "_CONTINUATION_TILE_MIN", tokens, raising=False)
+    setattr(tq, "_CONTINUATION_TILE_MAX", tokens, raising=False)
+
+
 def is_ultraquant(preset: str) -> bool:
     return preset == UQ_PRESET
 
