@@ -10,7 +10,7 @@ rotation and centroids and the grouped kernel (``0009``). v0.33.0's kernel
 (``--variant NAME=FILE``) a grouped-decode module file, loaded beside them.
 
 Cells: presets x D x GQA (Hk 4, Hq 4 x GQA) x B x L (every request L tokens),
-bf16 queries, block 16; a cache of random bytes with finite norms and
+bf16 queries, block 16 (``--block``); a cache of random bytes with finite norms and
 scales (tq_decode_bench.fill_fields) at random blocks. The grouped kernels
 take the split count the patched forward takes (max_num_seqs 256, 32
 splits reserved a request); v0.33.0's its 32. Error: relative L2 of the
@@ -44,10 +44,10 @@ from pathlib import Path
 from types import ModuleType
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import torch  # noqa: E402
-import tq_decode_bench as bench  # noqa: E402
-import tqlib  # noqa: E402
-from tqlib import h  # noqa: E402
+import torch
+import tq_decode_bench as bench
+import tqlib
+from tqlib import h
 
 HK, BLOCK, DTYPE = 4, 16, torch.bfloat16
 MAX_NUM_SEQS, UP_SPLITS = 256, 32
@@ -61,7 +61,7 @@ ROWS, CHUNK, REPS = 8, 16384, 10
 
 
 def parse_args() -> argparse.Namespace:
-    global HK, PRESETS, DIMS, GQAS, CELLS, SWEEP, SWEEP_SPLITS, ROWS, CHUNK, REPS
+    global HK, BLOCK, PRESETS, DIMS, GQAS, CELLS, SWEEP, SWEEP_SPLITS, ROWS, CHUNK, REPS
     ap = argparse.ArgumentParser()
     ap.add_argument("--tree", required=True)
     ap.add_argument("--base-kernel", required=True, help="v0.33.0's module file")
@@ -73,6 +73,7 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--cells", help="BxL,... (requests x tokens)")
     ap.add_argument("--sweep", help="PRESET:D:GQA:BxL, or 'none'")
     ap.add_argument("--sweep-splits", help="comma list of split counts")
+    ap.add_argument("--block", type=int, help="tokens a KV cache block (16)")
     ap.add_argument("--rows", type=int, help="requests checked a cell")
     ap.add_argument("--reps", type=int, help="timed replays a kernel")
     ap.add_argument("--deadline", type=float, default=540, help="seconds")
@@ -94,7 +95,7 @@ def parse_args() -> argparse.Namespace:
         SWEEP = (p, int(d), int(g), bench.parse_cell(cell))
     if a.sweep_splits:
         SWEEP_SPLITS = tuple(int(x) for x in a.sweep_splits.split(","))
-    ROWS, REPS = a.rows or ROWS, a.reps or REPS
+    ROWS, REPS, BLOCK = a.rows or ROWS, a.reps or REPS, a.block or BLOCK
     return a
 
 
@@ -376,8 +377,8 @@ def fitting(preset: str, d: int, cells: list) -> tuple[list, int]:
     slot = h.tq_slot_size(f"turboquant_{preset}", d)
     free = torch.cuda.mem_get_info()[0] - (8 << 30) if tqlib.HAS_CUDA else 1 << 40
     fits = [c for c in cells if c[0] * c[1] * HK * slot <= free]
-    tokens = max((b * n for b, n in fits), default=0)
-    return fits, tokens // BLOCK + 1
+    blocks = max((b * -(-n // BLOCK) for b, n in fits), default=0)
+    return fits, blocks + 1
 
 
 def run_dim_preset(env, d: int, preset: str, res: dict, t_end: float) -> None:

@@ -52,9 +52,9 @@ import traceback
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import torch  # noqa: E402
-import tqlib  # noqa: E402
-from tqlib import h  # noqa: E402
+import torch
+import tqlib
+from tqlib import h
 
 HQ, HK, D, BLOCK = 16, 4, 256, 16
 DTYPE = torch.bfloat16
@@ -305,8 +305,8 @@ def random_table(
     num_blocks: int, batch: int, length: int, block: int, g: torch.Generator
 ) -> torch.Tensor:
     """A block table of ``batch`` requests of ``length`` tokens at distinct
-    random blocks (block 0 left out)."""
-    per = length // block
+    random blocks (block 0 left out); the last block of each partly used."""
+    per = -(-length // block)
     perm = torch.randperm(num_blocks - 1, device=tqlib.DEVICE, generator=g)
     return (perm[: batch * per] + 1).view(batch, per).to(torch.int32)
 

@@ -18,7 +18,8 @@ by editing the tree under test:
   the TurboQuant Triton kernels run in Triton's interpreter on CPU tensors.
   Both are set (unless already set) when torch sees no CUDA device.
   Under the interpreter ``tqharness.faster_interpreter`` drops its repeated
-  patching of ``triton.language`` at every jit'd helper call.
+  patching of ``triton.language`` at every jit'd helper call, and
+  ``tqharness.exact_fp8_casts`` makes its fp8 casts round as a GPU's do.
 * The tree must be the only vLLM every process sees, subprocesses
   included (vLLM inspects model classes in a subprocess), with caches of
   the run's own: apply.py gives each run that environment
@@ -72,6 +73,7 @@ if os.environ.get("TRITON_INTERPRET") == "1":
     import tqharness
 
     tqharness.faster_interpreter()
+    tqharness.exact_fp8_casts()
 
 if TREE and not os.environ.get("VLLM_PATCHES_TREE_ENV"):
     # Run by hand: the environment apply.py gives every run.

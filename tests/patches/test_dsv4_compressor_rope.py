@@ -30,6 +30,7 @@ from types import ModuleType, SimpleNamespace
 
 import pytest
 import torch
+import tqharness as h
 
 HIDDEN = 32
 ROPE_DIM = 64
@@ -327,33 +328,6 @@ INTERPRETED = {
 }
 
 
-def exact_fp8_cast(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """Make the interpreter's float32 -> float8e4nv cast round to nearest
-    even, as the GPU's (cvt.rn.satfinite) and torch's do. The interpreter's
-    own (triton.runtime.interpreter._convert_float) rounds the mantissa and
-    ORs its carry into the exponent field's low bit: where that bit is set,
-    a value that rounds up to 2^(e+1) comes out as 2^e (about 3% of the
-    elements, off by half). The kernel's math still runs in the interpreter;
-    only that cast is replaced. Returns a list that grows with each replaced
-    cast."""
-    import numpy as np
-    import triton.language as tl
-    from triton.runtime import interpreter
-
-    real = interpreter._convert_float
-    used: list[int] = []
-
-    def convert(data, input_dtype, output_dtype, rounding_mode):
-        if input_dtype == tl.float32 and output_dtype == tl.float8e4nv:
-            used.append(data.size)
-            x = torch.from_numpy(np.array(data, dtype=np.float32))
-            return x.to(torch.float8_e4m3fn).view(torch.uint8).numpy()
-        return real(data, input_dtype, output_dtype, rounding_mode)
-
-    monkeypatch.setattr(interpreter, "_convert_float", convert)
-    return used
-
-
 def _dequant_sparse_attn(row: torch.Tensor) -> torch.Tensor:
     """One 512-dim entry of the fp8_ds_mla K cache: 448 fp8 (UE8M0 scale per
     64) + 64 bf16 rope; ``row`` is its 576 data bytes then 8 scale bytes."""
@@ -468,7 +442,7 @@ def test_forward_old_matches_fused_kernel(
     head 512, FP8 for the indexer's 128), then the whole entry to FP8
     accuracy."""
     interpreted = device.type == "cpu"
-    casts = exact_fp8_cast(monkeypatch) if interpreted else None
+    casts = h.exact_fp8_casts(monkeypatch.setattr) if interpreted else None
     only = INTERPRETED[ratio] if interpreted else None
     old = Harness(compressor_mod, monkeypatch, ratio, head_dim, device, rocm=True)
     reqs = run_scenarios(old, only=only)

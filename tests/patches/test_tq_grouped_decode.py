@@ -450,11 +450,15 @@ def test_grouped_decode_only_where_measured(vllm_tree: Path) -> None:
         assert not any(takes_grouped(*s) for s in GROUPED), "grouped on ROCm"
 
 
-def test_d512_gqa64_decodes_with_v0_33_kernel(vllm_tree: Path, tmp_path: Path) -> None:
-    """Head size 512 with 64 query heads a KV head (the grouped kernel needs
-    more shared memory than an H100 has): ``forward`` launches v0.33.0's
-    decode, not the grouped one."""
-    shape = tb.Shape(hq=64, hk=1, head=512, preset=PRESETS["4bit_nc"])
+@pytest.mark.parametrize("group, preset", [(64, "4bit_nc"), (4, "3bit_nc")])
+def test_d512_decodes_with_v0_33_kernel(
+    vllm_tree: Path, tmp_path: Path, group: int, preset: str
+) -> None:
+    """Head size 512: ``forward`` launches v0.33.0's decode, not the grouped
+    one. With 64 query heads a KV head the grouped kernel needs more shared
+    memory than an H100 has; 3bit_nc needs 102,400 B at this head size,
+    more than sm86/sm89/sm120 parts give (101,376 B)."""
+    shape = tb.Shape(hq=group, hk=1, head=512, preset=PRESETS[preset])
     tq = h.tq_module()
     calls: list[str] = []
 

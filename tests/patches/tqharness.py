@@ -419,6 +419,47 @@ def fix_interpreter_bf16_dot(setattr: Any = setattr) -> None:
     setattr(builder, "create_dot", create_dot_widened)
 
 
+# fp8 formats of Triton and torch: (torch dtype, largest finite value).
+FP8 = {"fp8e4nv": (torch.float8_e4m3fn, 448.0), "fp8e5": (torch.float8_e5m2, 57344.0)}
+
+
+def fp8_bits(x: torch.Tensor, fmt: str) -> torch.Tensor:
+    """``x`` cast to ``fmt`` as a GPU's Triton kernel casts it (round to
+    nearest even, out-of-range values saturated to the largest finite one:
+    PTX ``cvt.rn.satfinite``), as bytes."""
+    dtype, top = FP8[fmt]
+    return x.float().clamp(-top, top).to(dtype).view(torch.uint8)
+
+
+def exact_fp8_casts(setattr: Any = setattr) -> list[int]:
+    """Triton's interpreter (3.9) casts to fp8 by truncating the significand
+    and adding the cut-off bit, which loses the carry into the exponent and
+    rounds ties up: 0.123 -> 0.0625 (a GPU: 0.125), 100 -> 104 (96). Casts
+    from fp32, fp16 and bf16 to ``FP8``'s formats go through ``fp8_bits``
+    instead (checked bit for bit against an H100: ci/gpu/fp8_cast_check.py).
+    Returns a list that grows by the elements of each replaced cast. Only
+    for the interpreter."""
+    import numpy as np
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    convert = interpreter._convert_float
+    used: list[int] = []
+    wide = {tl.float32: np.float32, tl.float16: np.float16, tl.bfloat16: None}
+
+    def convert_exact(data: Any, src: Any, dst: Any, rounding_mode: Any) -> Any:
+        if dst.name not in FP8 or src not in wide:
+            return convert(data, src, dst, rounding_mode)
+        used.append(data.size)
+        if src == tl.bfloat16:  # stored as uint16, fp32's upper half
+            data = (np.asarray(data).astype(np.uint32) << 16).view(np.float32)
+        x = torch.from_numpy(np.asarray(data, dtype=wide[src] or np.float32))
+        return fp8_bits(x, dst.name).numpy().reshape(np.shape(data))
+
+    setattr(interpreter, "_convert_float", convert_exact)
+    return used
+
+
 def faster_interpreter() -> None:
     """Triton's interpreter (3.9) patches ``triton.language`` for every
     launch (restored after it) and again at every call of a ``@triton.jit``
