@@ -72,11 +72,12 @@ SWEEP_KERNELS = (
 )  # fmt: skip
 SWEEP_PPSM = (2, 4, 8)
 FLUSH_BYTES = 256 << 20  # > H100's 50 MB L2
+VERIFY = 0  # tokens each request verifies (speculative decoding), 0: none
 
 
 def parse_args() -> argparse.Namespace:
     global HQ, HK, D, BATCHES, LENS, REPS, CHECK_CACHED, SWEEP_CELLS
-    global SWEEP_KERNELS, SWEEP_PPSM, FLUSH_BYTES, PRESETS
+    global SWEEP_KERNELS, SWEEP_PPSM, FLUSH_BYTES, PRESETS, VERIFY
     ap = argparse.ArgumentParser()
     ap.add_argument("--tree", required=True)
     ap.add_argument("--out", required=True, help="directory for the results")
@@ -87,7 +88,9 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--kernels", help="sweep points BLOCK_KV,warps,stages;...")
     ap.add_argument("--ppsm", help="sweep's programs per SM, comma list")
     ap.add_argument("--presets", help="comma list, e.g. 4bit_nc,k3v4_nc")
+    ap.add_argument("--verify", type=int, default=0, help="also time verification")
     args = ap.parse_args()
+    VERIFY = args.verify
     if args.small:
         HQ, HK, D = 4, 1, 64
         BATCHES, LENS, REPS, CHECK_CACHED = (1, 2), (48, 160), 2, [40, 3, 130]
@@ -400,6 +403,47 @@ def launchers(env, p: Preset, cell: dict, batch: int) -> dict:
     return {"up": up, "new": new, "fwd": fwd}
 
 
+def verify_calls(env, p: Preset, cell: dict, batch: int, row: dict) -> dict:
+    """Speculative decoding's verification step, as the backend's small
+    continuation launches it: a launch a request, a row a verified token
+    (VERIFY of them, after L - VERIFY tokens), v0.33.0's kernel at its
+    default splits and the grouped one at the continuation's. ``row`` gets
+    the relative L2 difference of their outputs."""
+    from vllm.v1.attention.ops.triton_turboquant_decode import (
+        triton_turboquant_decode_attention,
+    )
+
+    g = torch.Generator(device=tqlib.DEVICE).manual_seed(batch)
+    q = tqlib.rand((batch, VERIFY, HQ, D), DTYPE, g)
+    step = torch.arange(1 - VERIFY, 1, device=tqlib.DEVICE, dtype=torch.int32)
+    table, seq = cell["table"], cell["seq_lens"]
+    args = [
+        decode_args(
+            p.impl, p.layer, q[r], p.slots, table[r : r + 1].expand(VERIFY, -1),
+            seq[r] + step,
+        )
+        for r in range(batch)
+    ]  # fmt: skip
+    splits = env.gd.grouped_decode_num_splits(
+        VERIFY, HK, p.impl.max_num_kv_splits, tqlib.DEVICE
+    )
+
+    def up():
+        return [
+            triton_turboquant_decode_attention(Pi=p.layer._tq_Pi, **a) for a in args
+        ]
+
+    def new():
+        return [
+            env.gd.triton_turboquant_grouped_decode_attention(num_kv_splits=splits, **a)
+            for a in args
+        ]
+
+    a, b = torch.cat(up()).double(), torch.cat(new()).double()
+    row["verify_rel_diff"] = ((a - b).norm() / a.norm()).item()
+    return {"up_verify": up, "new_verify": new}
+
+
 def fa2_calls(kv: torch.Tensor | None, batch: int, length: int) -> dict:
     """bf16 FA2 decode over ``batch`` x ``length`` tokens of ``kv`` (2, B * L,
     Hk, D): the dense batch and the varlen form."""
@@ -433,6 +477,8 @@ def run_cell(env, p: Preset, kv, batch: int, length: int, flush, best) -> dict:
     row["fa2_floor_ms"] = batch * length * HK * D * 2 * 2 / bw * 1e3
     cell = p.metadata(batch, length)
     calls = launchers(env, p, cell, batch)
+    if VERIFY:
+        calls.update(verify_calls(env, p, cell, batch, row))
     if tqlib.HAS_CUDA:
         calls.update(fa2_calls(kv, batch, length))
     for name, fn in calls.items():

@@ -45,6 +45,7 @@ PRESETS = {
     "k3v4_nc": "turboquant_k3v4_nc",
 }
 READS = r"^each KV head's bytes are read by \d+ programs per decode step"
+VERIFY_READS = r"^verification rows read each KV head's bytes in \d+ programs"
 GROUPED_LAUNCHER = "triton_turboquant_grouped_decode_attention"
 LONG_SPLIT = r"^grouped decode error grows with the tokens a split walks"
 
@@ -149,11 +150,8 @@ def test_kv_bytes_read_once_per_query_group(env: tb.Backend) -> None:
     meta = env.builder().build(0, batch.cam)
     with cache_reads(batch.kv_cache) as reads:
         tb.forward(impl, layer, batch, meta)
-    programs = {p: i for i, p in enumerate(dict.fromkeys(p for p, _ in reads))}
-    pid = np.concatenate([np.full(a.size, programs[p]) for p, a in reads])
+    per_byte = readers_per_byte(reads)
     addr = np.concatenate([a for _, a in reads])
-    readers = np.unique(np.stack([addr, pid]), axis=1)[0]
-    _, per_byte = np.unique(readers, return_counts=True)
     group = env.shape.hq // env.shape.hk
     if per_byte.max() > 1:
         raise AssertionError(
@@ -167,6 +165,48 @@ def test_kv_bytes_read_once_per_query_group(env: tb.Backend) -> None:
     assert np.array_equal(np.unique(addr), np.unique(want)), (
         "the step reads other bytes than the attended tokens' slots"
     )
+
+
+def readers_per_byte(reads: list) -> np.ndarray:
+    """For each cache byte loaded, the number of programs that load it."""
+    programs = {p: i for i, p in enumerate(dict.fromkeys(p for p, _ in reads))}
+    pid = np.concatenate([np.full(a.size, programs[p]) for p, a in reads])
+    addr = np.concatenate([a for _, a in reads])
+    readers = np.unique(np.stack([addr, pid]), axis=1)[0]
+    return np.unique(readers, return_counts=True)[1]
+
+
+@pytest.mark.cpu_only  # counts loads in Triton's interpreter
+@pytest.mark.bug_signature(AssertionError, VERIFY_READS)
+@pytest.mark.parametrize("env", ["4bit_nc", "k8v4"], indirect=True)  # MSE, FP8 keys
+def test_verification_rows_read_kv_once_per_query_group(
+    env: tb.Backend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Speculative decoding's verification rows (1 + k tokens after a
+    context; the small continuation takes them as decodes, one row a token):
+    every cache byte is loaded by one program a row that attends to it, not
+    one a query head. v0.33.0's kernel at 4 splits, not 32: the count is
+    the same, the interpreter's time an eighth."""
+    tb.small_continuation_splits(env.tq, 4, monkeypatch.setattr)
+    impl = env.impl()
+    layer = env.layer(impl)
+    reqs = [tb.Req(120, 4), tb.Req(37, 3)]
+    batch = tb.make_batch(env, impl, layer, reqs, seed=53410, store_context=False)
+    n = batch.num_tokens
+    impl.do_kv_cache_update(
+        layer, batch.key, batch.value, batch.kv_cache, batch.slot_mapping[:n]
+    )
+    meta = env.builder().build(0, batch.cam)
+    with cache_reads(batch.kv_cache) as reads:
+        out = tb.forward(impl, layer, batch, meta)
+    tb.check_rows(out[:n], batch, impl, layer)
+    most, rows = readers_per_byte(reads).max(), max(r.q for r in reqs)
+    if most > rows:
+        raise AssertionError(
+            f"verification rows read each KV head's bytes in {most} programs "
+            f"for {rows} verified tokens: one a query head (group of "
+            f"{env.shape.hq // env.shape.hk}), not one a query group"
+        )
 
 
 # --------------------------------------------------------------------------
