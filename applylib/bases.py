@@ -23,6 +23,7 @@ from .core import (
     TOOL_NAME,
     UPSTREAM_URL,
     UserError,
+    disk_full,
     git,
     git_common_dir,
     gout,
@@ -32,7 +33,9 @@ from .core import (
     say,
 )
 from .pinned import pinned_files, read_pinned
+from .probe import pick_python
 from .series import Stack
+from .sources import import_files, installed_files, version_commit, wheel_files
 
 
 def cache_dir() -> Path:
@@ -48,6 +51,8 @@ def cache_dir() -> Path:
 
 @functools.cache
 def writable_cache(path: Path) -> Path:
+    """`path`, checked writable and with room for a base (a release wheel,
+    its commit and the worktrees: $VLLM_PATCHES_MIN_FREE_MB, 2048)."""
     try:
         probe_writable(path)
     except OSError as e:
@@ -55,6 +60,13 @@ def writable_cache(path: Path) -> Path:
             f"the tool's cache {path} is not writable ({e.strerror}): "
             "set VLLM_PATCHES_CACHE to a writable directory"
         ) from None
+    need = int(os.environ.get("VLLM_PATCHES_MIN_FREE_MB", "2048"))
+    free = shutil.disk_usage(path).free // 2**20
+    if free < need:
+        raise UserError(
+            f"the tool's cache {path} has {free} MB free, a base needs about "
+            f"{need} MB: free space, or set VLLM_PATCHES_CACHE to a disk with room"
+        )
     return path
 
 
@@ -66,6 +78,12 @@ def locked(name: str):
     with open(d / f"{name}.lock", "w") as fh:
         fcntl.flock(fh, fcntl.LOCK_EX)
         yield
+
+
+def repo_lock(repo: Path) -> str:
+    """The name of `repo`'s lock (`locked`): one per repository, however
+    it is reached (a worktree, a path with a link)."""
+    return hashlib.sha1(str(git_common_dir(repo)).encode()).hexdigest()[:10]
 
 
 def ref_label(rev: str) -> str:
@@ -137,6 +155,54 @@ def describe_base(rev: str, user_repo: Path | None) -> tuple[str, str] | None:
     return None
 
 
+BUILT = ("wheel", "installed")  # Base.source of a base read from a built vLLM
+
+
+def built_version(rev: str, python: str | None) -> tuple[str, str] | None:
+    """(label, version) of a base read from a built vLLM: `--base FILE.whl`
+    (a wheel file's name and version) or `--base installed` (the vLLM
+    installed for --python); None for any other base."""
+    if rev == "installed":
+        _, info = pick_python(python)
+        return f"installed-{info['version']}", info["version"]
+    if rev.endswith(".whl"):
+        wheel = Path(rev).expanduser()
+        m = re.fullmatch(r"vllm-([^-]+)-.+\.whl", wheel.name)
+        if not wheel.is_file() or not m:
+            why = "not a file" if not wheel.is_file() else "not a vllm wheel's name"
+            raise UserError(f"--base {rev}: {why}")
+        return wheel.name, m.group(1)
+    return None
+
+
+@functools.cache
+def built_base(rev: str, python: str | None) -> Base | None:
+    """A base read from a built vLLM (built_version): the Python sources of
+    the wheel file, or of the installed vllm package, committed in the
+    cache repository as one root commit (the same files give the same id)."""
+    known = built_version(rev, python)
+    if known is None:
+        return None
+    label, version = known
+    if rev == "installed":
+        py, info = pick_python(python)
+        files, what = installed_files(Path(info["package"])), f"installed for {py}"
+    else:
+        files, what = wheel_files(Path(rev).expanduser()), f"from {label}"
+    repo = cache_repo()
+    up = version_commit(files)
+    msg = (
+        f"vLLM {version} (Python sources {what})\n\n"
+        "Committed by apply.py: every file under vllm/ except compiled\n"
+        "extensions and bytecode.\n\n"
+        f"Built-Version: {version}\n" + (f"Upstream-Commit: {up}\n" if up else "")
+    )
+    c = import_files(repo, files, msg)
+    git("update-ref", f"refs/{TOOL_NAME}/built/{ref_label(label)}", c, cwd=repo)
+    source = "installed" if rev == "installed" else "wheel"
+    return Base(repo, ref_label(label), c, source, up)
+
+
 def cache_repo() -> Path:
     repo = cache_dir() / "vllm.git"
     if not (repo / "HEAD").exists():
@@ -158,16 +224,20 @@ def with_pinned_base(
     user_repo: Path | None,
     offline: bool,
     fetched: Path | None = None,
+    python: str | None = None,
 ) -> tuple[Base, Base | None]:
     """resolve_base for `rev`, and the stack's pinned base when `rev` is
     another base (obtained into the same repository, from its wheel if need
     be): git am's 3-way fallback merges from the blobs the patches were made
     on (runner.preimages), and without them a drifted patch fails outright
     instead of merging or conflicting. The pinned base is sought only
-    once `rev`'s is at hand: a base that cannot be had downloads nothing."""
-    base = resolve_base(stack, rev, user_repo, offline, fetched)
+    once `rev`'s is at hand: a base that cannot be had downloads nothing.
+    `python`: whose vLLM `--base installed` means."""
+    base = resolve_base(stack, rev, user_repo, offline, fetched, python)
     pinned = None
     if rev is not None:
+        if base.source in BUILT:  # in the cache repository, where its pin goes
+            user_repo = None
         with contextlib.suppress(BaseUnavailable):
             pinned = resolve_base(stack, None, user_repo, offline, fetched)
     if pinned is not None and (pinned.repo, pinned.commit) == (base.repo, base.commit):
@@ -181,13 +251,18 @@ def resolve_base(
     user_repo: Path | None,
     offline: bool,
     fetched: Path | None = None,
+    python: str | None = None,
 ) -> Base:
-    """Find the stack's base, obtaining it into the cache repo if needed.
+    """Find the stack's base, obtaining it into the cache repo if needed:
+    a built vLLM's (built_base), else find_base's.
 
     The stack's own base (no `rev`) that cannot be had, of a stack that
     names a release to assemble it from (assemble=), is assembled offline
     from that release and the pinned files in `fetched` (assemble_base).
     """
+    built = built_base(rev, python) if rev else None
+    if built is not None:
+        return built
     try:
         return find_base(stack, rev, user_repo, offline)
     except BaseUnavailable:
@@ -345,6 +420,7 @@ def release_wheel(version: str) -> Path:
                 say(f"  pip: {line.strip()}")
             versions = index_versions(line) or versions
         if proc.wait() != 0:
+            disk_full(f"pip download vllm=={version}", "\n".join(tail))
             if versions:  # the index answered, without this release
                 raise UserError(
                     f"vllm {version} is not a release with a wheel for Linux "
@@ -376,64 +452,22 @@ def materialize_release(repo: Path, version: str, wheel: Path | None = None) -> 
     commit id everywhere. The upstream commit the release was built from
     (vllm/_version.py's __commit_id__) is recorded as a trailer.
     """
-    import zipfile
-
     tag = f"v{version}"
     c = rev_commit(repo, f"refs/tags/{tag}")
     if c:
         return c
     wheel = wheel or release_wheel(version)
     say(f"apply.py: committing {wheel.name} as {tag} in {repo}")
-    upstream = None
-    stream = tempfile.TemporaryFile()
-    with zipfile.ZipFile(wheel) as zf:
-        names = sorted(
-            n
-            for n in zf.namelist()
-            if n.startswith("vllm/")
-            and not n.endswith("/")
-            and not re.search(r"\.so(\.\d+)*$", n)
-        )
-        if not names:
-            raise UserError(f"{wheel}: no vllm/ sources inside")
-        for n in names:
-            data = zf.read(n)
-            mode = "100755" if (zf.getinfo(n).external_attr >> 16) & 0o111 else "100644"
-            if n == "vllm/_version.py":
-                m = re.search(rb"__commit_id__ = commit_id = '(?:g)?([0-9a-f]+)'", data)
-                upstream = m.group(1).decode() if m else None
-            stream.write(f"M {mode} inline {n}\ndata {len(data)}\n".encode())
-            stream.write(data + b"\n")
+    files = wheel_files(wheel)
+    upstream = version_commit(files)
     msg = (
         f"vLLM {version} (Python sources of the release wheel)\n\n"
         f"Materialized by apply.py from {wheel.name}: every file under vllm/\n"
         "except compiled extensions.\n\n"
         f"Release: {version}\n" + (f"Upstream-Commit: {upstream}\n" if upstream else "")
-    ).encode()
-    ident = f"{IDENTITY[0]} <{IDENTITY[1]}> {BASE_DATE}"
-    header = (
-        (
-            f"commit refs/{TOOL_NAME}/import\n"
-            f"author {ident}\ncommitter {ident}\n"
-            f"data {len(msg)}\n"
-        ).encode()
-        + msg
-        + b"deleteall\n"
     )
-    stream.seek(0)
-    fi = subprocess.Popen(
-        ["git", "fast-import", "--quiet", "--force"], cwd=repo, stdin=subprocess.PIPE
-    )
-    assert fi.stdin is not None
-    fi.stdin.write(header)
-    shutil.copyfileobj(stream, fi.stdin)
-    fi.stdin.write(b"\n")
-    fi.stdin.close()
-    if fi.wait() != 0:
-        raise UserError(f"git fast-import failed while committing {wheel.name}")
-    c = gout("rev-parse", f"refs/{TOOL_NAME}/import", cwd=repo)
+    c = import_files(repo, files, msg)
     git("update-ref", f"refs/tags/{tag}", c, cwd=repo)
-    git("update-ref", "-d", f"refs/{TOOL_NAME}/import", cwd=repo)
     return c
 
 

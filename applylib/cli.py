@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import errno
 import os
 from pathlib import Path
 
@@ -178,6 +179,12 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except GitError as e:
         say(f"apply.py: error: {e}")
+        return 2
+    except OSError as e:  # the disk, not the input: one line, exit 2
+        if e.errno not in (errno.ENOSPC, errno.EDQUOT, errno.EROFS):
+            raise
+        where = f" ({e.filename})" if e.filename else ""
+        say(f"apply.py: error: {e.strerror}{where}: free space or fix the disk")
         return 2
     except KeyboardInterrupt:
         return 130

@@ -246,8 +246,15 @@ def cmd_base(args: argparse.Namespace) -> int:
     stack = series.stack(args.stack)
     user_repo = find_user_repo(args.repo)
     fetched = fetched_dir(args)
+    if args.rev and args.base and args.rev != args.base:
+        raise UserError(
+            f"two bases: --base {args.base} and {args.rev}: give one "
+            "(apply.py base REV)"
+        )
     try:
-        base = resolve_base(stack, args.rev, user_repo, args.offline, fetched)
+        base = resolve_base(
+            stack, args.rev or args.base, user_repo, args.offline, fetched, args.python
+        )
     except BaseUnavailable as e:
         say(f"apply.py: base unavailable: {e.reason}\n  to get it: {e.hint}")
         return 1

@@ -131,6 +131,21 @@ class UserError(Exception):
     """Bad input or environment: exit 2 with one line on stderr."""
 
 
+# what git and pip print when the disk or a quota is full: an environment
+# fault, never a patch's conflict or a base's absence
+DISK_FULL = ("No space left on device", "Disk quota exceeded")
+
+
+def disk_full(what: str, output: str) -> None:
+    """Raise UserError when `output` says the disk is full."""
+    for line in output.splitlines():
+        if any(m in line for m in DISK_FULL):
+            raise UserError(
+                f"{what}: {line.strip()}: free space, or set VLLM_PATCHES_CACHE "
+                "to a disk with room"
+            )
+
+
 def say(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
@@ -168,6 +183,8 @@ def git(
         timeout=timeout,
         check=False,
     )
+    if proc.returncode != 0:
+        disk_full(" ".join(cmd[:2]), proc.stderr.decode(errors="replace"))
     if check and proc.returncode != 0:
         err = proc.stderr.decode(errors="replace").strip().splitlines()
         raise GitError(" ".join(cmd[:6]), proc.returncode, err[-1] if err else "")

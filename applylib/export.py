@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import hashlib
 import json
 import re
 import shlex
@@ -18,6 +17,7 @@ from .bases import (
     cache_dir,
     find_user_repo,
     locked,
+    repo_lock,
     resolve_base,
     worktree,
 )
@@ -29,7 +29,6 @@ from .core import (
     common,
     format_patch,
     git,
-    git_common_dir,
     gout,
     rev_commit,
     say,
@@ -141,8 +140,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     ident = git_identity(base.repo)
     signoff = ident or IDENTITY
     python = test_python(args.python)
-    rid = hashlib.sha1(str(git_common_dir(base.repo)).encode()).hexdigest()[:10]
-    with locked(rid):
+    with locked(repo_lock(base.repo)):
         applied = apply_for_export(job, base)
         if applied is None:
             return 1

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import hashlib
 import json
 import time
 from pathlib import Path
@@ -31,6 +30,7 @@ from .bases import (
     BaseUnavailable,
     find_user_repo,
     locked,
+    repo_lock,
     with_pinned_base,
     worktree,
 )
@@ -39,7 +39,6 @@ from .core import (
     command,
     common,
     git,
-    git_common_dir,
     patch_names,
     say,
 )
@@ -176,8 +175,7 @@ def stack_mutants(
         return [{"patch": p, "outcome": "skipped", "reason": e.reason} for p in wanted]
     patches = [load_patch(series, p) for p in stack.patches]
     results = {p.file: PatchResult(p.file) for p in patches}
-    rid = hashlib.sha1(str(git_common_dir(base.repo)).encode()).hexdigest()[:10]
-    with locked(rid):
+    with locked(repo_lock(base.repo)):
         preimages(stack, patches, base, pinned)
         # The main job's worktrees (lanes.TreeRing): no others needed.
         top = worktree(base.repo, f"{stack.name}-at-0", base.commit)

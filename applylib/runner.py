@@ -6,7 +6,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import hashlib
 import json
 import re
 import subprocess
@@ -15,25 +14,22 @@ from collections.abc import Callable
 from pathlib import Path
 
 from .bases import (
-    RELEASE_TAG,
     Base,
     BaseUnavailable,
-    describe_base,
+    cache_repo,
     find_user_repo,
     locked,
     ref_label,
+    repo_lock,
     with_pinned_base,
     worktree,
 )
+from .choose import stacks_for_base
 from .core import (
     AM_CONFIG,
     REF_NS,
-    UserError,
     git,
-    git_common_dir,
     gout,
-    rev_commit,
-    say,
 )
 from .lanes import TreeRing, in_lanes, lanes
 from .pinned import fetched_dir
@@ -41,8 +37,6 @@ from .series import Patch, Series, Stack, check_agreement, load_patch, parse_ser
 from .testrun import Outcome, aggregate, run_tests, test_python
 
 APPLIED = ("clean", "3way")
-# a version short of vX.Y.Z (v0.33): a typo, unless a clone has it as a ref
-NOT_A_RELEASE = re.compile(r"^v?\d+\.\d+$")
 
 
 @dataclasses.dataclass
@@ -419,7 +413,7 @@ def prepare_stack(
     results = {p.file: PatchResult(p.file) for p in patches}
     try:
         base, pinned = with_pinned_base(
-            stack, rev, user_repo, args.offline, fetched_dir(args)
+            stack, rev, user_repo, args.offline, fetched_dir(args), args.python
         )
     except BaseUnavailable as e:
         rep.update(status="skipped", reason=e.reason, fetch=e.hint)
@@ -493,7 +487,7 @@ def run_stacks(
         names: set[str] = set()
 
         def hold(repo: Path) -> None:
-            name = hashlib.sha1(str(git_common_dir(repo)).encode()).hexdigest()[:10]
+            name = repo_lock(repo)
             if name not in names:
                 names.add(name)
                 held.enter_context(locked(name))
@@ -589,54 +583,14 @@ def print_table(report: dict) -> None:
         )
 
 
-def stack_pin(stack: Stack) -> str:
-    p = stack.pins
-    return f"pinned to {p.get('tag') or p.get('branch') or p.get('commit', '?')}"
-
-
-def say_between_pins(series: Series, release: str) -> None:
-    """A release between two stacks' pins has no stack made for it: which
-    patches of the older stack apply there is in the table; the newer
-    stack is the other one to try."""
-    around = series.pins_around(release)
-    if around:
-        old, new = around
-        say(
-            f"apply.py: no stack is pinned to {release}: it lies between "
-            f"'{old.name}' ({stack_pin(old)}) and '{new.name}' ({stack_pin(new)}); "
-            f"a patch of '{old.name}' that does not apply needs a port, and "
-            f"--stack {new.name} tries the newer stack's (docs/releases.md)"
-        )
-
-
 def cmd_apply(args: argparse.Namespace) -> int:
     series = parse_series(Path(args.series))
     check_agreement(series)
     loaded = {p: load_patch(series, p) for s in series.stacks for p in s.patches}
     user_repo = find_user_repo(args.repo)
-    if (
-        args.base
-        and NOT_A_RELEASE.match(args.base)
-        and (user_repo is None or not rev_commit(user_repo, args.base))
-    ):
-        raise UserError(
-            f"--base {args.base}: not a release (releases are vX.Y.Z, "
-            "e.g. v0.33.0) nor a revision of a --repo"
-        )
-    stacks = series.stacks
-    if args.stack:
-        stacks = [series.stack(args.stack)]
-    elif args.base:
-        release = args.base
-        if len(series.stacks) > 1 and not RELEASE_TAG.match(args.base):
-            release = base_release(args, user_repo)
-        stacks = [series.pick_stack(None, release)]
-        if len(series.stacks) > 1:
-            say(
-                f"apply.py: --base {args.base} without --stack: using stack "
-                f"'{stacks[0].name}' ({stack_pin(stacks[0])})"
-            )
-            say_between_pins(series, release)
+    stacks = stacks_for_base(
+        series, args, user_repo, dry_apply(series, user_repo, args)
+    )
     report = {
         "tool": "apply.py",
         "series": str(series.path),
@@ -655,24 +609,19 @@ def cmd_apply(args: argparse.Namespace) -> int:
     return code
 
 
-def base_release(args: argparse.Namespace, user_repo: Path | None) -> str:
-    """The release a --base that is no release stands on (what picks the
-    stack), said in one line; offline, a release's upstream commit that
-    the cache holds becomes that release. Unknown: exit 2, never the first
-    stack by default."""
-    known = describe_base(args.base, user_repo)
-    if known is None:
-        where = f"in {user_repo}" if user_repo else "(no --repo; the cache knows "
-        where += "" if user_repo else "only the releases' upstream commits)"
-        raise UserError(
-            f"--base {args.base}: no release below it {where}: "
-            "give --repo a clone that has it, or name the stack with --stack"
-        )
-    tag, line = known
-    say(f"apply.py: {line}")
-    if user_repo is None:
-        args.base = tag
-    return tag
+def dry_apply(series: Series, user_repo: Path | None, args: argparse.Namespace):
+    """A stack applied on --base without tests (what chooses between two
+    neighbouring stacks): the files of its patches that do not apply, or
+    None where the base cannot be had."""
+
+    def run(stack: Stack) -> list[str] | None:
+        with locked(repo_lock(user_repo or cache_repo())):
+            base, res, _ = try_apply(series, stack, args.base, user_repo, args, "dry")
+        if base is None:
+            return None
+        return [f for f, r in res.items() if r.apply not in APPLIED]
+
+    return run
 
 
 def try_apply(
@@ -685,7 +634,7 @@ def try_apply(
 ) -> tuple[Base | None, dict[str, PatchResult], str]:
     try:
         base, pinned = with_pinned_base(
-            stack, rev, user_repo, args.offline, fetched_dir(args)
+            stack, rev, user_repo, args.offline, fetched_dir(args), args.python
         )
     except BaseUnavailable as e:
         return None, {}, e.reason

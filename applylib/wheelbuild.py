@@ -21,6 +21,7 @@ from .bases import (
     find_user_repo,
     locked,
     release_wheel,
+    repo_lock,
     resolve_base,
     worktree,
 )
@@ -28,7 +29,6 @@ from .core import (
     BASE_DATE,
     UserError,
     git,
-    git_common_dir,
     gout,
     say,
 )
@@ -375,7 +375,7 @@ def patched_tree(job: WheelJob) -> PatchedTree | None:
     saying which patches conflict) where it does not apply."""
     base, patches = job.base, job.patches
     results = {p.file: PatchResult(p.file) for p in patches}
-    with locked(hashlib.sha1(str(git_common_dir(base.repo)).encode()).hexdigest()[:10]):
+    with locked(repo_lock(base.repo)):
         wt = worktree(base.repo, f"{job.stack.name}-wheel", base.commit)
         conflicts = apply_stack(wt, patches, results)
         if conflicts:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 import signal
 import subprocess
 import sys
@@ -11,14 +12,18 @@ from pathlib import Path
 from conftest import (
     APPLY,
     FIXED_ADD,
+    FIXED_BOTH,
     MOD_V1,
     MOD_V11,
     REG_ADD,
+    REG_SCALE,
     Fixture,
     git,
     git_on_path,
     standard_stack,
 )
+from test_deliver import make_wheel, wheel_files
+from test_installed import listing, make_venv, pip_install
 
 
 def patch_rows(rep: dict, stack: str = "fx") -> dict[str, dict]:
@@ -337,21 +342,105 @@ def test_base_commit_after_a_release_candidate(fx: Fixture) -> None:
     assert "v1.1.0 + 2 commits" in p.stderr and "== stack new on HEAD" in p.stdout
 
 
-def test_base_between_pins_names_both_stacks(fx: Fixture) -> None:
-    """A release between two stacks' pins: the older stack runs, and one
-    line says none is made for it and which stack to try besides."""
+def test_base_between_pins_takes_the_stack_that_applies(fx: Fixture) -> None:
+    """A release between two stacks' pins: each neighbour is applied there,
+    the older pin's first; the first that applies whole runs, else the one
+    where the most patches apply, and the patches needing a port are named.
+    (Before, the older stack ran whatever applied.)"""
     two_stacks(fx)
+    fx.make_patch("old/0001-fix-add.patch", {"vllm/mod.py": FIXED_ADD},
+                  "[Core] Fix add", [REG_ADD], base="v1.0.0")
+    fx.make_patch("old/0002-fix-scale.patch", {"vllm/mod.py": FIXED_BOTH},
+                  "[Core] Fix scale", [REG_SCALE])  # conflicts on v1.1.0
+    fx.write_series(fx.series.read_text().replace(
+        "old/0001-fix-add.patch\n",
+        "old/0001-fix-add.patch\nold/0002-fix-scale.patch\n"))
     git("tag", "v1.0.5", "v1.0.0^{commit}", cwd=fx.upstream)
+    git("tag", "v1.0.9", "v1.1.0^{commit}", cwd=fx.upstream)
+    drift = MOD_V11.replace("return a - b  # bug: subtraction", "return a - b - 0")
+    git("tag", "v1.0.7", commit_on(fx, "v1.1.0", {"vllm/mod.py": drift}),
+        cwd=fx.upstream)
     up = ["--repo", str(fx.upstream), "--no-tests", "--base"]
+    between = ("no stack is pinned to {}: it lies between 'old' (pinned to "
+               "v1.0.0) and 'new' (pinned to v1.1.0)")
     p = fx.run(*up, "v1.0.5")
     assert p.returncode == 0, p.stdout + p.stderr
-    assert (
-        "no stack is pinned to v1.0.5: it lies between 'old' (pinned to "
-        "v1.0.0) and 'new' (pinned to v1.1.0)" in p.stderr
-    ), p.stderr
-    assert "--stack new tries" in p.stderr and "== stack old on v1.0.5" in p.stdout
+    assert between.format("v1.0.5") in p.stderr, p.stderr
+    assert "'old': 2 of 2 patches apply" in p.stderr, p.stderr
+    assert "'new':" not in p.stderr, p.stderr  # not tried
+    assert "== stack old on v1.0.5" in p.stdout, p.stdout
+    p = fx.run(*up, "v1.0.9")
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert "'old': 1 of 2 patches apply; old/0002 need a port" in p.stderr
+    assert "'new': 1 of 1 patches apply" in p.stderr, p.stderr
+    assert "using stack 'new', which applies whole" in p.stderr
+    assert "== stack new on v1.0.9" in p.stdout, p.stdout
+    p = fx.run(*up, "v1.0.7")
+    assert p.returncode == 1, p.stdout + p.stderr  # the run shows the conflict
+    assert "'new': 0 of 1 patches apply; new/0001 need a port" in p.stderr
+    assert "no stack applies whole on v1.0.7: using 'old'" in p.stderr, p.stderr
+    assert "== stack old on v1.0.7" in p.stdout, p.stdout
     p = fx.run(*up, "v1.1.0")
     assert p.returncode == 0 and "no stack is pinned" not in p.stderr
+
+
+def commit_on(fx: Fixture, rev: str, files: dict[str, str]) -> str:
+    """A commit of `files` on `rev` in the fixture's upstream, on no branch."""
+    work = fx.tmp / "commit-on"
+    if not work.exists():
+        git("clone", "-q", str(fx.upstream), str(work), cwd=fx.tmp)
+    git("fetch", "-q", "origin", "--tags", cwd=work)
+    git("checkout", "-q", "--detach", rev, cwd=work)
+    for rel, text in files.items():
+        (work / rel).write_text(text)
+    git("commit", "-q", "-am", f"on {rev}", cwd=work)
+    head = git("rev-parse", "HEAD", cwd=work).strip()
+    git("push", "-q", str(fx.upstream), f"{head}:refs/heads/on-{rev}", cwd=work)
+    return head
+
+
+def test_base_command_takes_the_global_base(fx: Fixture) -> None:
+    """`apply.py --base REV base` resolves REV, not the stack's pin; two
+    different bases are exit 2. (Before, the global --base was ignored.)"""
+    standard_stack(fx)
+    up = ["--repo", str(fx.upstream), "--stack", "fx"]
+    p = fx.run("--base", "v1.1.0", "base", *up)
+    assert p.returncode == 0 and p.stdout.startswith("v1.1.0 "), p.stdout + p.stderr
+    one_line_error(fx.run("--base", "v1.1.0", "base", "v1.0.0", *up), "two bases")
+
+
+def test_base_built_vllm_wheel_or_installed(fx: Fixture) -> None:
+    """--base FILE.whl and --base installed: the built vLLM's Python sources
+    are the base and its version picks the stack; the inspected environment
+    is left as it was; a build between releases, a wheel that is not there:
+    exit 2 and one line. (Before, both were unknown revisions.)"""
+    two_stacks(fx)
+    files = wheel_files(fx.upstream, "v1.1.0")
+    whl = make_wheel(fx.tmp, "1.1.0", files, commit="4567def89")
+    (fx.cache / "dist").mkdir(parents=True)  # the pin's release wheel, cached
+    shutil.copy(whl, fx.cache / "dist")
+    p = fx.run("--base", str(whl), "--no-tests")
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert f"base {whl.name} = vllm 1.1.0: a build of v1.1.0" in p.stderr
+    assert f"== stack new on {whl.name} (" in p.stdout, p.stdout
+    assert "from wheel, upstream 4567def89)" in p.stdout, p.stdout
+    dev = whl.with_name(whl.name.replace("1.1.0", "1.1.1.dev3+g4567def89"))
+    shutil.copy(whl, dev)
+    one_line_error(fx.run("--base", str(dev), "--no-tests"),
+                   "vllm 1.1.1.dev3+g4567def89 is a build between releases",
+                   "--stack")
+    p = fx.run("--base", str(dev), "--stack", "new", "--no-tests")
+    assert p.returncode == 0, p.stdout + p.stderr
+    one_line_error(fx.run("--base", "gone.whl"), "--base gone.whl: not a file")
+    python, site = make_venv(fx.tmp)
+    pip_install(python, whl)
+    before = listing(site.parents[2])
+    p = fx.run("--base", "installed", "--python", python, "--no-tests")
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert "base installed-1.1.0 = vllm 1.1.0: a build of v1.1.0" in p.stderr
+    assert "== stack new on installed-1.1.0 (" in p.stdout, p.stdout
+    assert "from installed, upstream 4567def89)" in p.stdout, p.stdout
+    assert listing(site.parents[2]) == before
 
 
 def test_base_commit_offline_without_a_clone(fx: Fixture) -> None:

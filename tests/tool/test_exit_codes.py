@@ -9,7 +9,7 @@ import subprocess
 from collections.abc import Callable
 
 import pytest
-from conftest import FIXED_ADD, REG_ADD, ROOT, Fixture, standard_stack
+from conftest import FIXED_ADD, REG_ADD, ROOT, Fixture, git_on_path, standard_stack
 from test_inputs import one_line_error
 from test_mutants import add_mutant, mutants
 
@@ -32,9 +32,11 @@ def case(name: str) -> Callable[[Run], Run]:
     return register
 
 
-def main_job(fx: Fixture, *args: str) -> subprocess.CompletedProcess:
+def main_job(
+    fx: Fixture, *args: str, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess:
     standard_stack(fx)
-    return fx.run("--repo", str(fx.upstream), *args)
+    return fx.run("--repo", str(fx.upstream), *args, env=env)
 
 
 def failing_test(fx: Fixture, test: str, body: str) -> None:
@@ -105,6 +107,17 @@ def _(fx: Fixture) -> subprocess.CompletedProcess:
     (fx.tmp / "a-file").write_text("")
     env = {"VLLM_PATCHES_CACHE": str(fx.tmp / "a-file" / "cache")}
     return fx.run("--repo", str(fx.upstream), env=env)
+
+
+@case("cache-short-of-room")
+def _(fx: Fixture) -> subprocess.CompletedProcess:
+    return main_job(fx, env={"VLLM_PATCHES_MIN_FREE_MB": str(2**40)})
+
+
+@case("disk-full")
+def _(fx: Fixture) -> subprocess.CompletedProcess:
+    full = '  echo "fatal: write error: No space left on device" >&2; exit 128\n'
+    return main_job(fx, env=git_on_path(fx.tmp / "bin", full))
 
 
 @case("check-ok")
