@@ -280,6 +280,8 @@ def find_base(
         if rev
         else [r for r in (pins.get("commit"), pins.get("tag"), pins.get("branch")) if r]
     )
+    if rev and RELEASE_TAG.match(rev) and not rev.startswith("v"):
+        candidates.append(f"v{rev}")  # 0.33.0: the release's tag v0.33.0
     if user_repo is not None:
         for r in candidates:
             c = rev_commit(user_repo, r)

@@ -12,7 +12,7 @@ from pathlib import Path
 from .bases import RELEASE_TAG, built_version, describe_base
 from .core import UserError, rev_commit, say
 from .probe import VERSION
-from .series import Series, Stack, short_name
+from .series import Series, Stack, release_key, short_name
 
 # a version short of vX.Y.Z (v0.33): a typo, unless a clone has it as a ref
 NOT_A_RELEASE = re.compile(r"^v?\d+\.\d+$")
@@ -47,16 +47,18 @@ def stacks_for_base(
         return [series.stack(args.stack)]
     if not args.base or len(series.stacks) == 1:
         return series.stacks
-    release = args.base
-    if not RELEASE_TAG.match(args.base):
-        release = base_release(args, user_repo)
+    m = RELEASE_TAG.match(args.base)  # v0.33.0, 0.33.0, v0.33.0.post1
+    release = "v" + m.group(1).split(".post")[0] if m else base_release(args, user_repo)
     around = series.pins_around(release)
     if around:
         return [between_pins(around, release, dry)]
     stack = series.pick_stack(None, release)
+    pins = series.released()
+    before = release_key(release) and pins and release_key(release) < pins[0][0]
     say(
         f"apply.py: --base {args.base} without --stack: using stack "
         f"'{stack.name}' ({stack_pin(stack)})"
+        + (f": {release} is older than every stack's pin" if before else "")
     )
     return [stack]
 

@@ -86,12 +86,13 @@ class Series:
 
     def stack_for_base(self, base: str) -> Stack:
         """The stack a bare --base means: the one pinned to that tag, else the
-        one pinned to the newest release before it, else the first."""
+        one pinned to the newest release before it, else the oldest pinned
+        (a release before every pin), else the first."""
         want, released = release_key(base), self.released()
         exact = [s for k, s in released if k == want]
         if exact or not want:
             return (exact or self.stacks)[0]
-        before = [s for k, s in released if k < want]
+        before = [s for k, s in released if k < want] or [s for _, s in released[:1]]
         return before[-1] if before else self.stacks[0]
 
     def pins_around(self, base: str) -> tuple[Stack, Stack] | None:

@@ -24,6 +24,7 @@ from conftest import (
 )
 from test_deliver import make_wheel, wheel_files
 from test_installed import listing, make_venv, pip_install
+from test_real_base import fake_index
 
 
 def patch_rows(rep: dict, stack: str = "fx") -> dict[str, dict]:
@@ -397,6 +398,36 @@ def commit_on(fx: Fixture, rev: str, files: dict[str, str]) -> str:
     head = git("rev-parse", "HEAD", cwd=work).strip()
     git("push", "-q", str(fx.upstream), f"{head}:refs/heads/on-{rev}", cwd=work)
     return head
+
+
+def test_base_release_forms_and_before_every_pin(fx: Fixture) -> None:
+    """A release as a version (1.1.0) is its tag's; a release older than
+    every pin takes the oldest pinned stack and says so. (Before, 1.1.0
+    took the first stack, and a clone did not know it.)"""
+    two_stacks(fx)
+    git("tag", "v0.9.0", "v1.0.0^{commit}", cwd=fx.upstream)
+    up = ["--repo", str(fx.upstream), "--no-tests", "--base"]
+    p = fx.run(*up, "1.1.0")
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert "== stack new on v1.1.0 (" in p.stdout, p.stdout
+    p = fx.run(*up, "v0.9.0")
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert ("using stack 'old' (pinned to v1.0.0): v0.9.0 is older than every "
+            "stack's pin") in p.stderr, p.stderr
+
+
+def test_base_that_cannot_be_had_downloads_nothing(fx: Fixture) -> None:
+    """Online with a stand-in package index that has only the pin's
+    release: a release it lacks is exit 2 naming the newest, and the pin's
+    wheel is not downloaded for a base that cannot be had."""
+    standard_stack(fx)
+    fx.write_series(fx.series.read_text().replace(
+        " repo=https://example.invalid/vllm", ""))  # pinned to a release
+    idx = fake_index(fx.tmp / "idx", "1.0.0")
+    env = {"PIP_NO_INDEX": "1", "PIP_FIND_LINKS": str(idx)}
+    one_line_error(fx.run("--base", "v1.0.5", "--no-tests", env=env),
+                   "vllm 1.0.5 is not a release", "the newest is 1.0.0")
+    assert not list(fx.cache.glob("dist/*.whl")), list(fx.cache.glob("dist/*"))
 
 
 def test_base_command_takes_the_global_base(fx: Fixture) -> None:
