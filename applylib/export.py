@@ -22,7 +22,6 @@ from .bases import (
     worktree,
 )
 from .core import (
-    IDENTITY,
     REF_NS,
     UserError,
     command,
@@ -34,7 +33,7 @@ from .core import (
     say,
 )
 from .pinned import fetched_dir
-from .prtext import adapt_test_module, helper_paths, pr_message
+from .prtext import adapt_test_module, helper_paths, pr_message, series_words
 from .runner import PatchResult, apply_stack
 from .series import (
     DIFF_GIT,
@@ -120,13 +119,9 @@ def export_ref(repo: Path, name: str, force: bool) -> str:
 
 
 def export_stem(series: Series, entry: str) -> str:
-    """The name of the patch's branch and files: its file stem, prefixed by
-    its stack where another stack has a patch of the same name (a ported
-    patch keeps its name)."""
-    name = Path(entry).name
-    same = [e for s in series.stacks for e in s.patches if Path(e).name == name]
-    stem = Path(entry).stem
-    return f"{Path(entry).parent.name}-{stem}" if len(same) > 1 else stem
+    """The name of the patch's branch and files: its stack and file stem
+    (tq-v0.33-0003-turboquant-...), one scheme for every patch."""
+    return f"{Path(entry).parent.name}-{Path(entry).stem}"
 
 
 def cmd_export(args: argparse.Namespace) -> int:
@@ -137,8 +132,13 @@ def cmd_export(args: argparse.Namespace) -> int:
     stem = export_stem(job.series, job.entry)
     branch = args.branch or f"{REF_NS[len('refs/heads/') :]}/pr/{stem}"
     ref = export_ref(base.repo, branch, args.force)
-    ident = git_identity(base.repo)
-    signoff = ident or IDENTITY
+    signoff = git_identity(base.repo)
+    if signoff is None:
+        raise UserError(
+            f"no git identity to sign off with in {base.repo}: set git config "
+            "user.name and user.email (vLLM asks for a DCO sign-off by the "
+            "submitter)"
+        )
     python = test_python(args.python)
     with locked(repo_lock(base.repo)):
         applied = apply_for_export(job, base)
@@ -153,13 +153,19 @@ def cmd_export(args: argparse.Namespace) -> int:
         result = None
         if args.run_tests:
             result = export_test_result(
-                job.series, base, job.patch, parent, am_commit, job.stack, python
+                job.series,
+                base,
+                job.patch,
+                parent,
+                am_commit,
+                job.stack,
+                python,
+                tests.node_ids(job.patch),
             )
         msg = gout("log", "-1", "--format=%B", am_commit, cwd=wt)
         message, body, dropped = pr_message(
             job.patch,
             msg,
-            tests.placed,
             tests.node_ids(job.patch),
             result,
             signoff,
@@ -188,12 +194,23 @@ def cmd_export(args: argparse.Namespace) -> int:
         body_file=body_file,
         patch_file=patch_file,
     )
-    report_export(exported, job.patch, dropped, signoff, bool(ident), stem)
+    report_export(exported, job.patch, dropped, signoff, stem)
     if args.json:
         Path(args.json).write_text(
             json.dumps(exported.as_json(job.patch), indent=2) + "\n"
         )
-    return 0
+    return not_standalone(body)
+
+
+def not_standalone(body: str) -> int:
+    """1, saying where, when the PR text names this project's paths or its
+    series (a PR is read alone); else 0."""
+    leaks = series_words(body)
+    if leaks:
+        print("the PR text names this project's paths or series (not ready):")
+        for line in leaks:
+            print(f"  {line[:120]}")
+    return 1 if leaks else 0
 
 
 @dataclasses.dataclass
@@ -427,7 +444,6 @@ def report_export(
     patch: Patch,
     dropped: list[str],
     signoff: tuple[str, str],
-    has_identity: bool,
     stem: str,
 ) -> None:
     base = ex.base
@@ -453,10 +469,7 @@ def report_export(
             f"  left out of the PR message (about the series only): "
             f"{', '.join(dropped)}"
         )
-    print(
-        f"  signed off by: {signoff[0]} <{signoff[1]}>"
-        + ("" if has_identity else " (no git identity configured: the project's)")
-    )
+    print(f"  signed off by: {signoff[0]} <{signoff[1]}>")
     print(f"  PR description: {ex.body_file}")
     print(f"  as a patch file: {ex.patch_file}")
     if patch.values("Upstream-Target"):
@@ -508,19 +521,22 @@ def export_test_result(
     patched: str,
     stack: Stack,
     python: str,
+    shown: list[str],
 ) -> str:
-    """The regression tests run (series harness) before and with the change."""
+    """The regression tests run (series harness) before and with the change,
+    shown by their ids in the PR (`shown`, in the order of the patch's)."""
     before_wt = worktree(base.repo, f"{stack.name}-export-base", parent)
     ids = patch.regression
     before, _ = run_tests(series.root, before_wt, ids, python, "export, before")
     after_wt = worktree(base.repo, f"{stack.name}-export-after", patched)
     after, _ = run_tests(series.root, after_wt, ids, python, "export, with it")
-    rows = [f"| `{t}` | {before[t].verdict} | {after[t].verdict} |" for t in ids]
+    rows = [
+        f"| `{s}` | {before[t].verdict} | {after[t].verdict} |"
+        for t, s in zip(ids, shown, strict=True)
+    ]
     return "\n".join(
         [
-            "Run by `apply.py export --run-tests` with the series' harness "
-            f"(`{ids[0].split('::')[0]}` against the tree before and with this "
-            "change):",
+            "The regression tests before and with this change:",
             "",
             "| test | before | with this change |",
             "|---|---|---|",
@@ -578,8 +594,9 @@ def add_export_command(sub: argparse._SubParsersAction) -> None:
         "export",
         cmd_export,
         help="one upstream PR branch for one patch",
-        description="Create a branch (default refs/heads/patched/pr/<patch>) in "
-        "the vLLM repository (--repo, else the tool's cache) with the patch as "
+        description="Create a branch (default refs/heads/patched/pr/<stack>-"
+        "<patch>) in the vLLM repository (--repo, else the tool's cache) with "
+        "the patch as "
         "one commit on the stack's base (or on the patches before it, when it "
         "only applies there), its message in vLLM's PR template (Purpose, Test "
         "Plan, Test Result; FIX #N from Bug: issues), signed off, and its "
@@ -587,10 +604,10 @@ def add_export_command(sub: argparse._SubParsersAction) -> None:
         "PR-creation commands. The checkout, its index and other branches are "
         "never touched.",
         epilog="example:\n  python apply.py export tq/0001 --repo ~/src/vllm\n"
-        "  git -C ~/src/vllm log -1 -p patched/pr/0001-...",
+        "  git -C ~/src/vllm log -1 -p patched/pr/tq-0001-...",
     )
     e.add_argument("patch", help="patch file name or unique prefix")
-    e.add_argument("--branch", help="branch name (default: patched/pr/<patch>)")
+    e.add_argument("--branch", help="branch name (default: patched/pr/<stack>-<patch>)")
     common(e, "base")
     e.add_argument(
         "--test-dir",

@@ -10,8 +10,24 @@ import shlex
 import textwrap
 from pathlib import Path
 
-from .core import SPDX, say
+from .core import IDENTITY, SPDX, say
 from .series import Patch
+
+# What names this project rather than vLLM in a PR's text: its paths and
+# its series' words (a PR stands alone, with its evidence as numbers).
+SERIES_WORDS = re.compile(
+    r"(?<![\w/.-])(?:ci|docs|patches|tests/patches)/"
+    r"|\b(?:previous|next|earlier|later) patch(?:es)?\b"
+    r"|\b(?:the|this) series\b|\bvllm-patches\b"
+    r"|\b(?:tq|tq-v0\.33|dsv4)/\d{4}\b",
+    re.IGNORECASE,
+)
+
+
+def series_words(text: str) -> list[str]:
+    """The lines of a PR text that name this project's paths or series."""
+    return [ln.strip() for ln in text.splitlines() if SERIES_WORDS.search(ln)]
+
 
 VLLM_ISSUE = re.compile(r"^https://github\.com/vllm-project/vllm/issues/(\d+)/?$")
 
@@ -330,7 +346,6 @@ def split_trailers(msg: str) -> tuple[str, list[tuple[str, str]]]:
 def pr_message(
     patch: Patch,
     msg: str,
-    tests: list[tuple[str, str, list[str]]],
     node_ids: list[str],
     result: str | None,
     signoff: tuple[str, str],
@@ -350,7 +365,7 @@ def pr_message(
     text, trailers = split_trailers(msg)
     subject, _, body = text.partition("\n")
     own = TemplateSections.of(body)
-    plan = pr_test_plan(tests, node_ids, own.plan, renames)
+    plan = pr_test_plan(node_ids, own.plan, renames)
     if result is None:
         result = (
             ""
@@ -415,13 +430,13 @@ def pr_links(patch: Patch, needs: list[Patch]) -> list[str]:
 
 
 def pr_test_plan(
-    tests: list[tuple[str, str, list[str]]],
     node_ids: list[str],
     plan_own: list[str],
     renames: dict[str, str],
 ) -> list[str]:
-    """The Test Plan's lines: the carried tests' command, where each test
-    comes from, then the patch's own plan with the exported paths."""
+    """The Test Plan's lines: the carried tests' command, then the patch's
+    own plan with the exported paths (how each test was adapted is the
+    export's output, not the PR's)."""
     plan = [
         "Regression tests added with this change (they fail before it "
         "and pass with it):",
@@ -430,14 +445,6 @@ def pr_test_plan(
         "pytest -v " + " \\\n    ".join(map(shlex.quote, node_ids)),
         "```",
     ]
-    for dst, src, done in tests:
-        plan += [
-            "",
-            f"`{dst}` comes from the vllm-patches series (`{src}`), "
-            "adapted to vLLM's test tree: "
-            + ("; ".join(done) if done else "copied unchanged")
-            + ".",
-        ]
     for part in plan_own:
         for old in sorted(renames, key=len, reverse=True):
             part = part.replace(old, renames[old])
@@ -449,7 +456,13 @@ def pr_trailers(
     trailers: list[tuple[str, str]], signoff: tuple[str, str]
 ) -> list[tuple[str, str]]:
     """The trailers the PR commit keeps, signed off."""
-    kept = [(k, v) for k, v in trailers if k.lower() not in PR_DROP_TRAILERS]
+    project = f"{IDENTITY[0]} <{IDENTITY[1]}>"  # the series' own: no sign-off
+    kept = [
+        (k, v)
+        for k, v in trailers
+        if k.lower() not in PR_DROP_TRAILERS
+        and not (k.lower() == "signed-off-by" and v == project)
+    ]
     sob = f"{signoff[0]} <{signoff[1]}>"
     if ("Signed-off-by", sob) not in kept:
         kept.append(("Signed-off-by", sob))

@@ -137,6 +137,14 @@ def git(*args: str, cwd: Path, check: bool = True, **kw) -> str:
     return p.stdout.strip()
 
 
+def submitter(tmp: Path) -> dict[str, str]:
+    """An environment whose git identity is a submitter's (export signs off
+    with it), whatever the machine's git configuration."""
+    cfg = tmp / "gitconfig-user"
+    cfg.write_text("[user]\n\tname = Jane Dev\n\temail = jane@example.com\n")
+    return {"GIT_CONFIG_GLOBAL": str(cfg), "GIT_CONFIG_NOSYSTEM": "1"}
+
+
 def git_on_path(bindir: Path, on_am: str) -> dict[str, str]:
     """A `git` in `bindir` that runs the shell lines `on_am` when called as
     `git am` ($REAL is the real git, $PPID the tool) and is the real git
@@ -172,6 +180,8 @@ class Fixture:
                         VLLM_PATCHES_OFFLINE="1")
         full_env.pop("VLLM_REPO", None)
         full_env.pop("VLLM_PATCHES_FETCHED", None)
+        if args and args[0] == "export":  # it signs off: a submitter's identity
+            full_env.update(submitter(self.tmp))
         if env:
             full_env.update(env)
         cmd = [sys.executable, str(APPLY), *args]

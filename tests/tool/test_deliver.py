@@ -27,7 +27,7 @@ from pathlib import Path
 
 import conftest
 import pytest
-from conftest import APPLY, ROOT, Fixture, git
+from conftest import APPLY, ROOT, Fixture, git, submitter
 
 PY = sys.executable
 SOB = ("Signed-off-by: vllm-patch-series "
@@ -142,12 +142,6 @@ def no_identity(tmp: Path) -> dict[str, str]:
     """An environment where git has no user identity configured."""
     cfg = tmp / "gitconfig-empty"
     cfg.write_text("")
-    return {"GIT_CONFIG_GLOBAL": str(cfg), "GIT_CONFIG_NOSYSTEM": "1"}
-
-
-def with_identity(tmp: Path) -> dict[str, str]:
-    cfg = tmp / "gitconfig-user"
-    cfg.write_text("[user]\n\tname = Jane Dev\n\temail = jane@example.com\n")
     return {"GIT_CONFIG_GLOBAL": str(cfg), "GIT_CONFIG_NOSYSTEM": "1"}
 
 
@@ -495,12 +489,18 @@ def am_round_trip(repo: Path, ref: str, parent: str, tmp: Path,
 
 def test_export_pr_branch(dx: Fixture) -> None:
     before = dx.snapshot()
-    env = no_identity(dx.tmp)
+    # no identity to sign off with: refused before any work (no placeholder)
+    p = dx.run("export", "0001", "--repo", str(dx.upstream),
+               env=no_identity(dx.tmp))
+    assert p.returncode == 2 and p.stderr.startswith(
+        "apply.py: error: no git identity to sign off with"), p.stderr
+    assert dx.snapshot() == before
+    env = submitter(dx.tmp)
     p = dx.run("export", "0001", "--repo", str(dx.upstream), "--json",
                str(dx.tmp / "e.json"), env=env)
     assert p.returncode == 0, p.stdout + p.stderr
     assert dx.snapshot() == before
-    ref = "refs/heads/patched/pr/0001-tq-threshold"
+    ref = "refs/heads/patched/pr/fx-0001-tq-threshold"
     up = dx.upstream
     base = git("rev-parse", "v1.0.0", cwd=up)
     # exactly one commit, on the stack's base
@@ -523,10 +523,10 @@ def test_export_pr_branch(dx: Fixture) -> None:
     assert "## Test Result\n\nNot run by `apply.py export`" in msg
     assert "Upstream-Status" not in msg and "Tests:" not in msg
     assert "Bug:" not in msg
-    assert msg.rstrip().endswith(SOB)
-    assert msg.count("Signed-off-by:") == 1
+    assert msg.rstrip().endswith("\nSigned-off-by: Jane Dev <jane@example.com>")
+    assert msg.count("Signed-off-by:") == 1  # the series' own is left out
     assert git("log", "-1", "--format=%an <%ae>|%cn", ref, cwd=up) == \
-        "Up Stream <up@example.com>|vllm-patch-series"
+        "Up Stream <up@example.com>|Jane Dev"
     # the adapted test: harness fixtures defined in the module, gpu mark kept
     test = git("show", f"{ref}:tests/v1/attention/test_tq.py", cwd=up)
     assert test.startswith("# SPDX-License-Identifier: Apache-2.0\n")
@@ -537,11 +537,11 @@ def test_export_pr_branch(dx: Fixture) -> None:
     # printed: where things are and the commands to run
     assert p.stdout.startswith(f"{ref} in {up}\n")
     assert f"git -C {up} push YOUR_FORK_REMOTE {ref}:refs/heads/pr/" \
-           "0001-tq-threshold" in p.stdout
+           "fx-0001-tq-threshold" in p.stdout
     assert "gh pr create --repo vllm-project/vllm --base main --head " \
-           "YOUR_GITHUB_USER:pr/0001-tq-threshold --title '[Attention]" \
+           "YOUR_GITHUB_USER:pr/fx-0001-tq-threshold --title '[Attention]" \
            "[TurboQuant] Lower the threshold' --body-file " in p.stdout
-    assert "(no git identity configured: the project's)" in p.stdout
+    assert "signed off by: Jane Dev <jane@example.com>" in p.stdout
     rep = json.loads((dx.tmp / "e.json").read_text())
     body = Path(rep["body_file"]).read_text()
     assert body.startswith("## Purpose\n") and "Signed-off-by" not in body
@@ -603,12 +603,12 @@ def test_export_to_a_target_off_main(dx: Fixture) -> None:
 
 
 def test_export_dependent_patch_and_identity(dx: Fixture) -> None:
-    env = with_identity(dx.tmp)
+    env = submitter(dx.tmp)
     p = dx.run("export", "fx/0003-fix-scale.patch", "--repo", str(dx.upstream),
                env=env)
     assert p.returncode == 0, p.stdout + p.stderr
     up = dx.upstream
-    ref = "refs/heads/patched/pr/0003-fix-scale"
+    ref = "refs/heads/patched/pr/fx-0003-fix-scale"
     assert "does not apply on v1.0.0 alone; the branch is based on the " \
            "patches before it: fx/0001-tq-threshold.patch, " \
            "fx/0002-fix-add.patch" in p.stdout
@@ -622,8 +622,7 @@ def test_export_dependent_patch_and_identity(dx: Fixture) -> None:
     assert "FIX #41726\n\nThis change applies on top of (to be merged first):\n" \
            "- [Attention][TurboQuant] Lower the threshold\n- [Core] Fix add\n" \
            in msg
-    assert msg.rstrip().endswith(SOB + "\nSigned-off-by: Jane Dev "
-                                 "<jane@example.com>")
+    assert msg.rstrip().endswith("\n\nSigned-off-by: Jane Dev <jane@example.com>")
     assert git("log", "-1", "--format=%cn <%ce>", ref, cwd=up) == \
         "Jane Dev <jane@example.com>"
     am_round_trip(up, ref, parent, dx.tmp)
@@ -631,10 +630,22 @@ def test_export_dependent_patch_and_identity(dx: Fixture) -> None:
     p = dx.run("export", "0002", "--repo", str(up), env=env)
     assert p.returncode == 0, p.stderr
     tree = git("ls-tree", "-r", "--name-only", "refs/heads/patched/pr/"
-               "0002-fix-add", "tests", cwd=up).split()
+               "fx-0002-fix-add", "tests", cwd=up).split()
     assert "tests/fake_helper/__init__.py" in tree
     assert not any("unrelated" in t for t in tree)
     assert "helper fake_helper copied alongside" in p.stdout
+
+
+def test_export_pr_text_names_no_project_path(dx: Fixture) -> None:
+    """A PR is read alone: a patch message that names this project's paths
+    or its series is exported, and export exits 1 naming the lines."""
+    f = next((dx.project / "patches" / "fx").glob("0001-*.patch"))
+    f.write_text(f.read_text().replace(
+        "The fix.\n", "The fix, as the previous patch did (ci/gpu/bench.py).\n"))
+    p = dx.run("export", "0001", "--repo", str(dx.upstream))
+    assert p.returncode == 1, p.stdout + p.stderr
+    assert "the PR text names this project's paths or series (not ready):\n" \
+        "  The fix, as the previous patch did (ci/gpu/bench.py).\n" in p.stdout
 
 
 def test_export_branch_safety_and_errors(dx: Fixture) -> None:
@@ -678,7 +689,7 @@ def test_export_on_the_patch_pin(dx: Fixture) -> None:
     dx.series.write_text("".join(text))
     p = dx.run("export", "0002", "--repo", str(up))
     assert p.returncode == 0, p.stdout + p.stderr
-    assert git("rev-parse", "refs/heads/patched/pr/0002-fix-add^", cwd=up) == v11
+    assert git("rev-parse", "refs/heads/patched/pr/fx-0002-fix-add^", cwd=up) == v11
     # not at hand: the stack's base, and a note
     text[1] = "#@ pin fx/0002-fix-add.patch repo=https://example.invalid/vllm " \
               f"commit={'1' * 40}\n"
@@ -686,17 +697,18 @@ def test_export_on_the_patch_pin(dx: Fixture) -> None:
     p = dx.run("export", "0002", "--repo", str(up))
     assert p.returncode == 0, p.stdout + p.stderr
     assert "own pin 111111111111 is not at hand" in p.stderr
-    assert git("rev-parse", "refs/heads/patched/pr/0002-fix-add^", cwd=up) == \
+    assert git("rev-parse", "refs/heads/patched/pr/fx-0002-fix-add^", cwd=up) == \
         git("rev-parse", "v1.0.0", cwd=up)
 
 
 def test_export_run_tests(dx: Fixture) -> None:
     p = dx.run("export", "0001", "--repo", str(dx.upstream), "--run-tests")
     assert p.returncode == 0, p.stdout + p.stderr
-    msg = git("log", "-1", "--format=%B", "refs/heads/patched/pr/0001-"
+    msg = git("log", "-1", "--format=%B", "refs/heads/patched/pr/fx-0001-"
               "tq-threshold", cwd=dx.upstream)
-    assert "| `tests/patches/test_tq.py::test_threshold_regression` | fail | " \
-           "pass |" in msg
+    assert "The regression tests before and with this change:\n\n" in msg
+    assert "| `tests/v1/attention/test_tq.py::test_threshold_regression` | " \
+           "fail | pass |" in msg  # by its id in the PR
 
 
 # --------------------------------------------------------------------------
@@ -1007,9 +1019,9 @@ def test_real_export(real: dict, tmp_path: Path) -> None:
     series = str(real["proj"] / "series")
     p = run_tool("export", "tq/0001-mark.patch", "--series", series, "--repo",
                  str(user), cache=tmp_path / "cache", cwd=tmp_path,
-                 env=no_identity(tmp_path))
+                 env=submitter(tmp_path))
     assert p.returncode == 0, p.stdout + p.stderr
-    ref = "refs/heads/patched/pr/0001-mark"
+    ref = "refs/heads/patched/pr/tq-0001-mark"
     assert git("rev-parse", f"{ref}^", cwd=user) == real["commit"]
     assert git("rev-list", "--count", f"v0.20.2..{ref}", cwd=user) == "1"
     assert sorted(git("diff", "--name-only", "v0.20.2", ref, cwd=user).split()) \
@@ -1021,7 +1033,7 @@ def test_real_export(real: dict, tmp_path: Path) -> None:
     am_round_trip(user, ref, real["commit"], tmp_path)
     # with no repository: the tool's cache, and a note on what that base is
     p = run_tool("export", "0001", "--series", series, cache=real["cache"],
-                 cwd=real["tmp"], env=no_identity(tmp_path))
+                 cwd=real["tmp"], env=submitter(tmp_path))
     assert p.returncode == 0, p.stdout + p.stderr
     assert "is the tool's cache: its v0.20.2 is the release's Python sources" \
         in p.stdout
@@ -1036,34 +1048,34 @@ def test_real_export(real: dict, tmp_path: Path) -> None:
 
 
 def test_real_series_exports(tmp_path: Path) -> None:
-    """Each patch of the project's own series exports (when the series lists
-    any and the v0.20.2 base is at hand)."""
+    """Each TurboQuant patch of the project's own series exports on its
+    stack's base: one commit, its test added, signed off by the submitter,
+    and a PR text that names neither this project's paths nor its series
+    (export exits 1 on one that does)."""
     from applylib.export import export_stem
     from applylib.series import parse_series
 
     series = ROOT / "series"
-    listed = [ln.strip() for ln in series.read_text().splitlines()
-              if ln.strip() and not ln.startswith("#")]
-    tq = [e for e in listed if e.startswith("tq/")]
-    if not tq:
-        pytest.skip("the series lists no tq patch yet")
+    stacks = [s for s in parse_series(series).stacks if s.name in ("tq", "tq-v0.33")]
     env = dict(os.environ, VLLM_PATCHES_OFFLINE="1")
-    p = subprocess.run([PY, str(APPLY), "base", "--stack", "tq"], env=env,
-                       capture_output=True, text=True, timeout=1800)
-    assert p.returncode == 0, p.stderr
-    repo = p.stdout.split()[2].split("=", 1)[1]
-    user = tmp_path / "vllm"
-    git("clone", "-q", "--bare", "--shared", repo, str(user), cwd=tmp_path)
-    for entry in tq:
-        r = run_tool("export", entry, "--repo", str(user), "--series",
-                     str(series), cache=tmp_path / "cache", cwd=tmp_path)
-        assert r.returncode == 0, r.stdout + r.stderr
-        # a ported patch shares its file name with tq-v0.33's: the stack
-        # prefixes it (export_stem)
-        ref = f"refs/heads/patched/pr/{export_stem(parse_series(series), entry)}"
-        parent = git("rev-parse", f"{ref}^", cwd=user)
-        assert git("rev-list", "--count", f"{parent}..{ref}", cwd=user) == "1"
-        added = git("diff", "--name-only", "--diff-filter=A", parent, ref,
-                    cwd=user).split()
-        assert any(a.startswith("tests/") and a.endswith(".py") for a in added)
-        am_round_trip(user, ref, parent, tmp_path)
+    for stack in stacks:
+        p = subprocess.run([PY, str(APPLY), "base", "--stack", stack.name],
+                           env=env, capture_output=True, text=True, timeout=1800)
+        assert p.returncode == 0, p.stderr
+        repo = p.stdout.split()[2].split("=", 1)[1]
+        user = tmp_path / stack.name
+        git("clone", "-q", "--bare", "--shared", repo, str(user), cwd=tmp_path)
+        for entry in stack.patches:
+            r = run_tool("export", entry, "--repo", str(user), "--series",
+                         str(series), cache=tmp_path / "cache", cwd=tmp_path,
+                         env=submitter(tmp_path))
+            assert r.returncode == 0, r.stdout + r.stderr
+            ref = f"refs/heads/patched/pr/{export_stem(parse_series(series), entry)}"
+            parent = git("rev-parse", f"{ref}^", cwd=user)
+            assert git("rev-list", "--count", f"{parent}..{ref}", cwd=user) == "1"
+            added = git("diff", "--name-only", "--diff-filter=A", parent, ref,
+                        cwd=user).split()
+            assert any(a.startswith("tests/") and a.endswith(".py") for a in added)
+            msg = git("log", "-1", "--format=%B", ref, cwd=user)
+            assert msg.count("Signed-off-by:") == 1 and "Jane Dev" in msg
+            am_round_trip(user, ref, parent, tmp_path)

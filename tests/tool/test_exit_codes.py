@@ -120,6 +120,22 @@ def _(fx: Fixture) -> subprocess.CompletedProcess:
     return main_job(fx, env=git_on_path(fx.tmp / "bin", full))
 
 
+@case("export-not-standalone")
+def _(fx: Fixture) -> subprocess.CompletedProcess:
+    standard_stack(fx)
+    f = fx.patches["fx/0001-fix-add.patch"]
+    f.write_text(f.read_text().replace("Why it is needed.", "As the series says."))
+    return fx.run("export", "0001", "--repo", str(fx.upstream))
+
+
+@case("export-no-identity")
+def _(fx: Fixture) -> subprocess.CompletedProcess:
+    standard_stack(fx)
+    (fx.tmp / "gitconfig-empty").write_text("")
+    env = {"GIT_CONFIG_GLOBAL": str(fx.tmp / "gitconfig-empty")}
+    return fx.run("export", "0001", "--repo", str(fx.upstream), env=env)
+
+
 @case("check-ok")
 def _(fx: Fixture) -> subprocess.CompletedProcess:
     standard_stack(fx)

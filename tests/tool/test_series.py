@@ -108,6 +108,6 @@ def test_export_names_a_ported_patch_by_its_stack(tmp_path: Path) -> None:
                                                           exist_ok=True)
         (tmp_path / "patches" / f"{f}.patch").write_text("")
     series = parse_series(s, need_patches=False)
-    assert export_stem(series, "a/0002-other.patch") == "0002-other"
+    assert export_stem(series, "a/0002-other.patch") == "a-0002-other"
     assert export_stem(series, "a/0001-fix.patch") == "a-0001-fix"
     assert export_stem(series, "a-v0.33/0001-fix.patch") == "a-v0.33-0001-fix"
