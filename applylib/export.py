@@ -126,80 +126,148 @@ def export_stem(series: Series, entry: str) -> str:
 
 def cmd_export(args: argparse.Namespace) -> int:
     """apply.py export: the patch as one PR commit on a branch, with its
-    regression tests adapted, its PR description and its patch file."""
+    regression tests adapted, its PR description and its patch file; with
+    --onto, that commit carried onto another commit of the repository."""
     job = export_job(args)
     base = export_base(args, job.stack, job.entry)
     stem = export_stem(job.series, job.entry)
     branch = args.branch or f"{REF_NS[len('refs/heads/') :]}/pr/{stem}"
     ref = export_ref(base.repo, branch, args.force)
-    signoff = git_identity(base.repo)
-    if signoff is None:
-        raise UserError(
-            f"no git identity to sign off with in {base.repo}: set git config "
-            "user.name and user.email (vLLM asks for a DCO sign-off by the "
-            "submitter)"
-        )
+    signoff = submitter(base.repo)
+    onto = None
+    if args.onto:
+        onto = rev_commit(base.repo, args.onto)
+        if onto is None:
+            raise UserError(f"--onto {args.onto}: unknown revision in {base.repo}")
     python = test_python(args.python)
     with locked(repo_lock(base.repo)):
-        applied = apply_for_export(job, base)
-        if applied is None:
+        pr = make_pr_commit(job, base, args, signoff, python)
+        if pr is None:
             return 1
-        wt, needs = applied
-        am_commit = gout("rev-parse", "HEAD", cwd=wt)
-        parent = gout("rev-parse", "HEAD~1", cwd=wt)
-        dest = args.test_dir or vllm_test_dir(wt, am_commit, job.patch)
-        check_safe_relpath(dest, "--test-dir")
-        tests = place_tests(job, wt, am_commit, dest)
-        result = None
-        if args.run_tests:
-            result = export_test_result(
-                job.series,
-                base,
-                job.patch,
-                parent,
-                am_commit,
-                job.stack,
-                python,
-                tests.node_ids(job.patch),
-            )
-        msg = gout("log", "-1", "--format=%B", am_commit, cwd=wt)
-        message, body, dropped = pr_message(
-            job.patch,
-            msg,
-            tests.node_ids(job.patch),
-            result,
-            signoff,
-            needs,
-            tests.renames,
-        )
-        commit = pr_commit(wt, am_commit, parent, message, signoff)
-        git(
-            "update-ref",
-            "-m",
-            f"apply.py export {job.entry}",
-            ref,
-            commit,
-            cwd=base.repo,
-        )
-    body_file, patch_file = export_files(base, stem, body, commit)
+        if onto is not None:
+            pr = carry_onto(job, base, pr, (args.onto, onto), signoff)
+            if pr is None:
+                return 1
+        msg = f"apply.py export {job.entry}"
+        git("update-ref", "-m", msg, ref, pr.commit, cwd=base.repo)
+    body_file, patch_file = export_files(base, stem, pr.body, pr.commit)
     exported = Exported(
         entry=job.entry,
         ref=ref,
         branch=branch,
-        commit=commit,
-        parent=parent,
+        commit=pr.commit,
+        parent=pr.parent,
         base=base,
-        needs=needs,
-        placed=tests.placed,
+        needs=pr.needs,
+        placed=pr.tests.placed,
         body_file=body_file,
         patch_file=patch_file,
     )
-    report_export(exported, job.patch, dropped, signoff, stem)
+    report_export(exported, job.patch, pr.dropped, signoff, stem)
+    if onto is not None and args.run_tests:
+        print(f"on {args.onto}: " + export_test_result(job, base, pr, python))
     if args.json:
         Path(args.json).write_text(
             json.dumps(exported.as_json(job.patch), indent=2) + "\n"
         )
-    return not_standalone(body)
+    return not_standalone(pr.body)
+
+
+def submitter(repo: Path) -> tuple[str, str]:
+    """The git identity that signs the PR off (vLLM's DCO): exit 2 without."""
+    ident = git_identity(repo)
+    if ident is None:
+        raise UserError(
+            f"no git identity to sign off with in {repo}: set git config "
+            "user.name and user.email (vLLM asks for a DCO sign-off by the "
+            "submitter)"
+        )
+    return ident
+
+
+@dataclasses.dataclass
+class PrCommit:
+    """The PR commit on its parent, with what went into it."""
+
+    commit: str
+    parent: str
+    applied: str  # the patch's own commit (git am), on the same parent
+    body: str
+    dropped: list[str]
+    tests: PlacedTests
+    needs: list[Patch]
+
+
+def make_pr_commit(
+    job: ExportJob,
+    base: Base,
+    args: argparse.Namespace,
+    signoff: tuple[str, str],
+    python: str,
+) -> PrCommit | None:
+    """The patch applied (on the patches it needs), its tests placed in
+    vLLM's tree, and one commit with the PR message; None where it does
+    not apply."""
+    applied = apply_for_export(job, base)
+    if applied is None:
+        return None
+    wt, needs = applied
+    am_commit = gout("rev-parse", "HEAD", cwd=wt)
+    parent = gout("rev-parse", "HEAD~1", cwd=wt)
+    dest = args.test_dir or vllm_test_dir(wt, am_commit, job.patch)
+    check_safe_relpath(dest, "--test-dir")
+    tests = place_tests(job, wt, am_commit, dest)
+    pr = PrCommit("", parent, am_commit, "", [], tests, needs)
+    result = export_test_result(job, base, pr, python) if args.run_tests else None
+    msg = gout("log", "-1", "--format=%B", am_commit, cwd=wt)
+    ids = tests.node_ids(job.patch)
+    message, pr.body, pr.dropped = pr_message(
+        job.patch, msg, ids, result, signoff, needs, tests.renames
+    )
+    pr.commit = pr_commit(wt, am_commit, parent, message, signoff)
+    return pr
+
+
+def carry_onto(
+    job: ExportJob,
+    base: Base,
+    pr: PrCommit,
+    onto: tuple[str, str],
+    signoff: tuple[str, str],
+) -> PrCommit | None:
+    """The PR commit cherry-picked onto `onto` (name, commit): vLLM's main or
+    any commit of the repository. None, naming where it conflicts, when it
+    does not apply there."""
+    name, commit = onto
+    wt = worktree(base.repo, f"{job.stack.name}-export-onto", commit)
+    date = gout("log", "-1", "--format=%cd", "--date=raw", pr.commit, cwd=wt)
+    env = {
+        "GIT_COMMITTER_NAME": signoff[0],
+        "GIT_COMMITTER_EMAIL": signoff[1],
+        "GIT_COMMITTER_DATE": date,
+    }
+    p = git("cherry-pick", "--allow-empty", pr.commit, cwd=wt, check=False, env=env)
+    if p.returncode != 0:
+        spots = conflict_spots(wt)
+        git("cherry-pick", "--abort", cwd=wt, check=False)
+        git("reset", "-q", "--hard", commit, cwd=wt)
+        err = p.stderr.decode(errors="replace").strip().splitlines()
+        why = "conflicts at " + ", ".join(spots) if spots else (err or ["?"])[0]
+        print(f"{job.entry} does not apply on {name} ({commit[:12]}): {why}")
+        return None
+    moved = gout("rev-parse", "HEAD", cwd=wt)
+    return dataclasses.replace(pr, commit=moved, parent=commit, applied=moved)
+
+
+def conflict_spots(wt: Path) -> list[str]:
+    """Where a cherry-pick left conflicts: file:line of each marker."""
+    spots = []
+    for f in gout("diff", "--name-only", "--diff-filter=U", cwd=wt).split():
+        lines = (wt / f).read_text(errors="replace").splitlines()
+        spots += [
+            f"{f}:{i}" for i, ln in enumerate(lines, 1) if ln.startswith("<<<<<<<")
+        ]
+    return spots
 
 
 def not_standalone(body: str) -> int:
@@ -513,18 +581,12 @@ def report_export(
     )
 
 
-def export_test_result(
-    series: Series,
-    base: Base,
-    patch: Patch,
-    parent: str,
-    patched: str,
-    stack: Stack,
-    python: str,
-    shown: list[str],
-) -> str:
-    """The regression tests run (series harness) before and with the change,
-    shown by their ids in the PR (`shown`, in the order of the patch's)."""
+def export_test_result(job: ExportJob, base: Base, pr: PrCommit, python: str) -> str:
+    """The regression tests run (series harness) on the PR's parent and on
+    the patch applied there, shown by their ids in the PR."""
+    series, patch, stack = job.series, job.patch, job.stack
+    parent, patched = pr.parent, pr.applied
+    shown = pr.tests.node_ids(patch)
     before_wt = worktree(base.repo, f"{stack.name}-export-base", parent)
     ids = patch.regression
     before, _ = run_tests(series.root, before_wt, ids, python, "export, before")
@@ -609,6 +671,13 @@ def add_export_command(sub: argparse._SubParsersAction) -> None:
     e.add_argument("patch", help="patch file name or unique prefix")
     e.add_argument("--branch", help="branch name (default: patched/pr/<stack>-<patch>)")
     common(e, "base")
+    e.add_argument(
+        "--onto",
+        metavar="REV",
+        help="carry the PR commit onto REV of the repository (vLLM's main, "
+        "or any commit): the branch is based there, or exit 1 naming where "
+        "it conflicts",
+    )
     e.add_argument(
         "--test-dir",
         help="where the test goes in vLLM's tree "

@@ -648,6 +648,31 @@ def test_export_pr_text_names_no_project_path(dx: Fixture) -> None:
         "  The fix, as the previous patch did (ci/gpu/bench.py).\n" in p.stdout
 
 
+def test_export_onto_another_commit(dx: Fixture) -> None:
+    """--onto REV: the PR commit carried onto REV of the repository (vLLM's
+    main in real use), with the regression tests run there; where it does
+    not apply, exit 1 naming the conflict, and no branch."""
+    up = dx.upstream
+    v11 = git("rev-parse", "v1.1.0", cwd=up)
+    p = dx.run("export", "0002", "--repo", str(up), "--onto", "v1.1.0",
+               "--run-tests")
+    assert p.returncode == 0, p.stdout + p.stderr
+    ref = "refs/heads/patched/pr/fx-0002-fix-add"
+    assert git("rev-parse", f"{ref}^", cwd=up) == v11
+    assert "vllm/mod.py" in git("diff", "--name-only", v11, ref, cwd=up)
+    assert "on v1.1.0: The regression tests before and with this change:" \
+        in p.stdout
+    assert "| `tests/test_add.py::test_add_regression` | fail | pass |" in p.stdout
+    p = dx.run("export", "0003", "--repo", str(up), "--onto", "v1.1.0")
+    assert p.returncode == 1, p.stdout + p.stderr
+    assert f"fx/0003-fix-scale.patch does not apply on v1.1.0 ({v11[:12]}): " \
+        "conflicts at vllm/mod.py:" in p.stdout
+    assert not git("for-each-ref", "refs/heads/patched/pr/fx-0003-fix-scale",
+                   cwd=up)
+    p = dx.run("export", "0002", "--repo", str(up), "--onto", "nope")
+    assert p.returncode == 2 and "--onto nope: unknown revision" in p.stderr
+
+
 def test_export_branch_safety_and_errors(dx: Fixture) -> None:
     up = dx.upstream
     before = dx.snapshot()
