@@ -416,7 +416,7 @@ def release_wheel(version: str) -> Path:
             if line.startswith("Collecting"):  # pip found the release
                 say(
                     f"apply.py: downloading the vllm {version} release wheel "
-                    f"with pip (about 250 MB, once; cached in {dist})"
+                    f"with pip (250-340 MB, once; cached in {dist})"
                 )
             if line.startswith(("Collecting", "Downloading", "Saved")):
                 say(f"  pip: {line.strip()}")

@@ -98,7 +98,7 @@ def add_global_options(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--python",
         help="Python that runs the targeted tests "
-        "(default: $VLLM_PATCHES_PYTHON, ./.venv, this one)",
+        "(default: $VLLM_PATCHES_PYTHON, the project's .venv, this one)",
     )
 
 

@@ -238,7 +238,7 @@ Hashes come from the patched wheel's .dist-info/vllm_patches.json when
 apply.py wheel made it from this series, else from the stack applied on
 the release's base. The regression tests run in place when the inspected
 Python has pytest, else by the test Python (--test-python, default
-$VLLM_PATCHES_PYTHON or ./.venv) importing only the installed vllm
+$VLLM_PATCHES_PYTHON or the project's .venv) importing only the installed vllm
 package from that environment (the serving environment's own torch is
 then not the one tested). Nothing is written into that environment
 (bytecode writing is off for everything that imports from it). Exit 0:
@@ -305,7 +305,7 @@ def add_status_command(sub: argparse._SubParsersAction) -> None:
         metavar="PY",
         help="with --installed: the Python that runs the regression tests "
         "(default: the inspected one if it has pytest, else $VLLM_PATCHES_PYTHON, "
-        "./.venv)",
+        "the project's .venv)",
     )
     s.add_argument(
         "--no-tests",

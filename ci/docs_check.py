@@ -3,7 +3,8 @@
 Fast and offline (no vLLM, no network, no base):
 
 - every `python apply.py ...` command they show (in a code block or inline
-  code) parses with apply.py's own argument parser;
+  code) parses with apply.py's own argument parser, and docs/commands.md
+  has a section for every command naming each of its options;
 - every repository path they name (`ci/gpu/run.sh`, `tests/patches/x.py`)
   and every relative link exists, and a link's `#anchor` is a heading there;
 - docs/series-format.md's tables of directives, keys and trailers list
@@ -201,6 +202,52 @@ def check_commands(docs: list[Doc], probs: Problems) -> int:
                 err = parse_error(command_args(cmd))
                 if err:
                     probs.add(doc, line, f"'{cmd}' does not parse: {err}")
+    return n
+
+
+def parser_options(p: argparse.ArgumentParser) -> list[str]:
+    """A parser's long options, --help aside."""
+    return [
+        o
+        for a in p._actions
+        for o in a.option_strings
+        if o.startswith("--") and o != "--help"
+    ]
+
+
+def sections(doc: Doc) -> list[tuple[int, str, str]]:
+    """(line, heading, text up to the next heading) of each heading."""
+    heads = doc.headings() + [(len(doc.lines) + 1, "")]
+    return [
+        (n, h, "\n".join(doc.lines[n : nxt - 1]))
+        for (n, h), (nxt, _) in zip(heads, heads[1:], strict=False)
+    ]
+
+
+def check_options(root: Path, probs: Problems) -> int:
+    """docs/commands.md has a section for every command of the parser (its
+    heading names `apply.py COMMAND` or `COMMAND ...`; the main job's says
+    "main job"), and
+    each of the command's options is named in that section or under
+    "Options every command takes"."""
+    doc = Doc.read(root / "docs" / "commands.md", root)
+    secs = sections(doc)
+    shared = "\n".join(t for _, h, t in secs if h == "Options every command takes")
+    p = the_parser()
+    sub = next(a for a in p._actions if isinstance(a, argparse._SubParsersAction))
+    n = 0
+    for name, sp in [("", p), *sub.choices.items()]:
+        want = ("main job",) if not name else (f"apply.py {name}", f"`{name} ")
+        mine = [(line, f"{h}\n{t}") for line, h, t in secs if any(w in h for w in want)]
+        if not mine:
+            probs.add(doc, None, f"no section for `{want[0]}` (a heading naming it)")
+            continue
+        text = "\n".join(t for _, t in mine) + "\n" + shared
+        for opt in parser_options(sp):
+            n += 1
+            if not re.search(re.escape(opt) + r"(?![\w-])", text):
+                what = f"apply.py {name}" if name else "the main job"
+                probs.add(doc, mine[0][0], f"{what}: {opt} is not documented")
     return n
 
 
@@ -455,6 +502,7 @@ def main(argv: list[str] | None = None) -> int:
     ]
     probs = Problems()
     cmds = check_commands(docs, probs)
+    opts = check_options(root, probs)
     paths = check_paths(docs, root, probs)
     links = check_links(docs, root, probs)
     try:
@@ -469,6 +517,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     print(
         f"docs check: {len(docs)} files: {cmds} apply.py commands parse, "
+        f"{opts} options documented, "
         f"{paths} paths and {links} links exist, the spec's {spec} directives, "
         f"keys and trailers are the parser's, {rows} patches' README rows "
         "match their Upstream-Status: ok"

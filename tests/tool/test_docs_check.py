@@ -147,3 +147,34 @@ def test_readme_row_against_the_patch_header(project: Path) -> None:
         "README.md: patch table: no row for "
         "dsv4/0002-rocm-dsv4-compressor-first-token-rope.patch"
     )
+
+
+def test_option_missing_from_the_docs(project: Path) -> None:
+    """An option the parser has and commands.md does not name, in the
+    section of its command (the copy's own parser, so a new option planted
+    there counts), and a command without a section: one line each."""
+    before = lines_of(run_check(project))
+    cli = project / "applylib" / "cli.py"
+    cli.write_text(cli.read_text().replace(
+        '    p.add_argument("--no-tests", action="store_true", help="apply only")',
+        '    p.add_argument("--no-tests", action="store_true", help="apply only")\n'
+        '    p.add_argument("--frobnicate", action="store_true")', 1))
+    doc = project / "docs" / "commands.md"
+    text = doc.read_text()
+    at = text.index("### `apply.py export")
+    end = text.index("### `apply.py mutants")
+    doc.write_text(text[:at] + text[at:end].replace("--onto", "--onward") + text[end:]
+                   .replace("### `apply.py mutants", "### Mutants of"))
+    p = subprocess.run([sys.executable, str(project / "ci" / "docs_check.py")],
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 1, p.stdout + p.stderr
+    new = [ln for ln in lines_of(p) if ln not in before]
+    line = text[:at].count("\n") + 1
+    assert sorted(new) == sorted([
+        "docs/commands.md:33: the main job: --frobnicate is not documented",
+        f"docs/commands.md:{line}: apply.py export: --onto is not documented",
+        "docs/commands.md: no section for `apply.py mutants` (a heading naming it)",
+        f"docs/commands.md:{line + 3}: 'python apply.py export tq-v0.33/0003 --repo "
+        "~/src/vllm --onward origin/main --run-tests' does not parse: apply.py: "
+        "error: unrecognized arguments: --onward origin/main",
+    ]), new
