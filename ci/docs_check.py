@@ -23,6 +23,7 @@ import contextlib
 import dataclasses
 import functools
 import io
+import itertools
 import re
 import shlex
 import subprocess
@@ -220,7 +221,7 @@ def sections(doc: Doc) -> list[tuple[int, str, str]]:
     heads = doc.headings() + [(len(doc.lines) + 1, "")]
     return [
         (n, h, "\n".join(doc.lines[n : nxt - 1]))
-        for (n, h), (nxt, _) in zip(heads, heads[1:], strict=False)
+        for (n, h), (nxt, _) in itertools.pairwise(heads)
     ]
 
 
