@@ -45,7 +45,8 @@ from .series import (
     parse_series,
     pick_patch,
 )
-from .testrun import run_tests, test_python
+from .testrun import test_python
+from .upstreamtest import before_and_with
 from .wheelbuild import cmd_wheel
 
 # Subject component -> vLLM's test directory for it.
@@ -164,13 +165,33 @@ def cmd_export(args: argparse.Namespace) -> int:
         patch_file=patch_file,
     )
     report_export(exported, job.patch, pr.dropped, signoff, stem)
-    if onto is not None and args.run_tests:
-        print(f"on {args.onto}: " + export_test_result(job, base, pr, python))
+    if args.run_tests:
+        print(tests_before_and_with(job, base, pr, args, python))
     if args.json:
         Path(args.json).write_text(
             json.dumps(exported.as_json(job.patch), indent=2) + "\n"
         )
-    return not_standalone(pr.body)
+    return max(not_standalone(pr.body), 0 if pr.tests_ok else 1)
+
+
+def tests_before_and_with(
+    job: ExportJob, base: Base, pr: PrCommit, args: argparse.Namespace, python: str
+) -> str:
+    """What --run-tests found (run again on --onto's commit when given), and
+    what is wrong when a test did not fail before and pass with the change."""
+    where, text = f"on {base.rev}", pr.result
+    if args.onto:
+        ids = pr.tests.node_ids(job.patch)
+        key, where = f"{job.stack.name}-onto", f"on {args.onto}"
+        text, pr.tests_ok = before_and_with(
+            base.repo, key, pr.parent, pr.wt, ids, python
+        )
+    if pr.tests_ok:
+        return f"{where}: {text}"
+    return (
+        f"{where}: {text}\nnot ready: a regression test did not fail before "
+        "and pass with the change under plain pytest"
+    )
 
 
 def submitter(repo: Path) -> tuple[str, str]:
@@ -191,11 +212,13 @@ class PrCommit:
 
     commit: str
     parent: str
-    applied: str  # the patch's own commit (git am), on the same parent
+    wt: Path  # a worktree holding the PR's tree (its index too)
     body: str
     dropped: list[str]
     tests: PlacedTests
     needs: list[Patch]
+    result: str | None = None  # --run-tests: the table of outcomes
+    tests_ok: bool = True  # --run-tests: failed before, passed with it
 
 
 def make_pr_commit(
@@ -217,12 +240,16 @@ def make_pr_commit(
     dest = args.test_dir or vllm_test_dir(wt, am_commit, job.patch)
     check_safe_relpath(dest, "--test-dir")
     tests = place_tests(job, wt, am_commit, dest)
-    pr = PrCommit("", parent, am_commit, "", [], tests, needs)
-    result = export_test_result(job, base, pr, python) if args.run_tests else None
-    msg = gout("log", "-1", "--format=%B", am_commit, cwd=wt)
+    pr = PrCommit("", parent, wt, "", [], tests, needs)
     ids = tests.node_ids(job.patch)
+    if args.run_tests:
+        key = f"{job.stack.name}-export"
+        pr.result, pr.tests_ok = before_and_with(
+            base.repo, key, parent, wt, ids, python
+        )
+    msg = gout("log", "-1", "--format=%B", am_commit, cwd=wt)
     message, pr.body, pr.dropped = pr_message(
-        job.patch, msg, ids, result, signoff, needs, tests.renames
+        job.patch, msg, ids, pr.result, signoff, needs, tests.renames
     )
     pr.commit = pr_commit(wt, am_commit, parent, message, signoff)
     return pr
@@ -256,7 +283,7 @@ def carry_onto(
         print(f"{job.entry} does not apply on {name} ({commit[:12]}): {why}")
         return None
     moved = gout("rev-parse", "HEAD", cwd=wt)
-    return dataclasses.replace(pr, commit=moved, parent=commit, applied=moved)
+    return dataclasses.replace(pr, commit=moved, parent=commit, wt=wt)
 
 
 def conflict_spots(wt: Path) -> list[str]:
@@ -581,32 +608,6 @@ def report_export(
     )
 
 
-def export_test_result(job: ExportJob, base: Base, pr: PrCommit, python: str) -> str:
-    """The regression tests run (series harness) on the PR's parent and on
-    the patch applied there, shown by their ids in the PR."""
-    series, patch, stack = job.series, job.patch, job.stack
-    parent, patched = pr.parent, pr.applied
-    shown = pr.tests.node_ids(patch)
-    before_wt = worktree(base.repo, f"{stack.name}-export-base", parent)
-    ids = patch.regression
-    before, _ = run_tests(series.root, before_wt, ids, python, "export, before")
-    after_wt = worktree(base.repo, f"{stack.name}-export-after", patched)
-    after, _ = run_tests(series.root, after_wt, ids, python, "export, with it")
-    rows = [
-        f"| `{s}` | {before[t].verdict} | {after[t].verdict} |"
-        for t, s in zip(ids, shown, strict=True)
-    ]
-    return "\n".join(
-        [
-            "The regression tests before and with this change:",
-            "",
-            "| test | before | with this change |",
-            "|---|---|---|",
-            *rows,
-        ]
-    )
-
-
 def add_deliver_commands(sub: argparse._SubParsersAction) -> None:
     """The delivery commands: wheel, export."""
     add_wheel_command(sub)
@@ -687,8 +688,9 @@ def add_export_command(sub: argparse._SubParsersAction) -> None:
     e.add_argument(
         "--run-tests",
         action="store_true",
-        help="run the regression tests before and with the change "
-        "and put the results in Test Result",
+        help="run the exported regression tests with plain pytest in vLLM's "
+        "tree before and with the change (exit 1 unless they fail before and "
+        "pass with it) and put the results in Test Result",
     )
     e.add_argument(
         "--force",

@@ -660,9 +660,10 @@ def test_export_onto_another_commit(dx: Fixture) -> None:
     ref = "refs/heads/patched/pr/fx-0002-fix-add"
     assert git("rev-parse", f"{ref}^", cwd=up) == v11
     assert "vllm/mod.py" in git("diff", "--name-only", v11, ref, cwd=up)
-    assert "on v1.1.0: The regression tests before and with this change:" \
+    assert "on v1.1.0: The regression tests under plain pytest in vLLM's " \
+        "tree, before and with this change:" in p.stdout
+    assert "| `tests/test_add.py::test_add_regression` | failed | passed |" \
         in p.stdout
-    assert "| `tests/test_add.py::test_add_regression` | fail | pass |" in p.stdout
     p = dx.run("export", "0003", "--repo", str(up), "--onto", "v1.1.0")
     assert p.returncode == 1, p.stdout + p.stderr
     assert f"fx/0003-fix-scale.patch does not apply on v1.1.0 ({v11[:12]}): " \
@@ -731,9 +732,20 @@ def test_export_run_tests(dx: Fixture) -> None:
     assert p.returncode == 0, p.stdout + p.stderr
     msg = git("log", "-1", "--format=%B", "refs/heads/patched/pr/fx-0001-"
               "tq-threshold", cwd=dx.upstream)
-    assert "The regression tests before and with this change:\n\n" in msg
+    assert "The regression tests under plain pytest in vLLM's tree, before " \
+           "and with this change:\n\n" in msg
     assert "| `tests/v1/attention/test_tq.py::test_threshold_regression` | " \
-           "fail | pass |" in msg  # by its id in the PR
+           "failed | passed |" in msg  # by its id in the PR, no harness
+    # a regression test that passes before the change proves nothing there
+    test = dx.project / "tests" / "patches" / "test_tq.py"
+    test.write_text(test.read_text().replace("tq.THRESHOLD == 64",
+                                             "tq.THRESHOLD in (64, 128)"))
+    p = dx.run("export", "0001", "--repo", str(dx.upstream), "--run-tests")
+    assert p.returncode == 1, p.stdout + p.stderr
+    assert "| `tests/v1/attention/test_tq.py::test_threshold_regression` | " \
+           "passed | passed |" in p.stdout
+    assert "not ready: a regression test did not fail before and pass with " \
+           "the change under plain pytest" in p.stdout
 
 
 # --------------------------------------------------------------------------

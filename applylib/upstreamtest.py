@@ -1,0 +1,76 @@
+"""A PR's regression tests as vLLM's CI would run them: plain pytest in
+vLLM's own tree layout, with none of this project's harness (the exported
+test modules carry what they need), on the PR's parent with the PR's test
+files copied in, and on the PR's tree."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+from .bases import worktree
+from .core import gout
+from .testrun import tree_env
+
+OUTCOME = re.compile(r"^(PASSED|FAILED|ERROR|XFAIL|XPASS) (\S+)")
+
+
+def plain_pytest(tree: Path, ids: list[str], python: str) -> dict[str, str]:
+    """Each test id's outcome (passed, failed, error, ...; "not run" when
+    pytest did not report it) under `python -m pytest` run in `tree`, the
+    tree importable as an installed vLLM is (tree_env's metadata)."""
+    with tempfile.TemporaryDirectory(prefix="vllm-patches-plain-") as scratch:
+        env = dict(os.environ, **tree_env(tree, Path(scratch)))
+        for own in ("VLLM_TREE", "VLLM_PATCHES_TREE_ENV"):  # the harness's
+            env.pop(own, None)
+        cmd = [python, "-m", "pytest", "-q", "-rA", "-p", "no:cacheprovider", *ids]
+        p = subprocess.run(
+            cmd, cwd=tree, env=env, capture_output=True, text=True, check=False
+        )
+    seen = {}
+    for line in p.stdout.splitlines():
+        m = OUTCOME.match(line)
+        if m:
+            seen[m.group(2)] = m.group(1).lower()
+    return {t: seen.get(t, "not run") for t in ids}
+
+
+def before_and_with(
+    repo: Path, key: str, before: str, after: Path, ids: list[str], python: str
+) -> tuple[str, bool]:
+    """The tests `ids` under plain pytest on commit `before` (with the test
+    files `after`'s index adds under tests/ copied in) and in the worktree
+    `after`: a Markdown table, and whether each failed before and passed
+    with the change."""
+    added = gout(
+        "diff",
+        "--cached",
+        "--name-only",
+        "--diff-filter=A",
+        before,
+        "--",
+        "tests",
+        cwd=after,
+    ).split()
+    wt = worktree(repo, f"{key}-plain-before", before)
+    for f in added:
+        (wt / f).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(after / f, wt / f)
+    was, now = plain_pytest(wt, ids, python), plain_pytest(after, ids, python)
+    rows = [f"| `{t}` | {was[t]} | {now[t]} |" for t in ids]
+    ok = all(was[t] == "failed" and now[t] == "passed" for t in ids)
+    table = [
+        (
+            "The regression tests under plain pytest in vLLM's tree, before "
+            "and with this change:"
+        ),
+        "",
+        "| test | before | with this change |",
+        "|---|---|---|",
+        *rows,
+    ]
+    return "\n".join(table), ok
