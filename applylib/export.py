@@ -227,11 +227,13 @@ def make_pr_commit(
     args: argparse.Namespace,
     signoff: tuple[str, str],
     python: str,
+    alone: bool = True,
 ) -> PrCommit | None:
     """The patch applied (on the patches it needs), its tests placed in
     vLLM's tree, and one commit with the PR message; None where it does
-    not apply."""
-    applied = apply_for_export(job, base)
+    not apply. With --run-tests, a patch that applies alone but whose tests
+    do not pass there is based on the patches before it instead."""
+    applied = apply_for_export(job, base, alone)
     if applied is None:
         return None
     wt, needs = applied
@@ -247,6 +249,12 @@ def make_pr_commit(
         pr.result, pr.tests_ok = before_and_with(
             base.repo, key, parent, wt, ids, python
         )
+        if not pr.tests_ok and not needs and len(job.upto) > 1:
+            print(
+                f"{job.entry}: its regression tests do not fail before and pass "
+                "with it on the base alone: basing it on the patches before it"
+            )
+            return make_pr_commit(job, base, args, signoff, python, alone=False)
     msg = gout("log", "-1", "--format=%B", am_commit, cwd=wt)
     message, pr.body, pr.dropped = pr_message(
         job.patch, msg, ids, pr.result, signoff, needs, tests.renames
@@ -371,13 +379,16 @@ def export_base(args: argparse.Namespace, stack: Stack, entry: str) -> Base:
         raise UserError(f"base unavailable: {e.reason} (to get it: {e.hint})") from None
 
 
-def apply_for_export(job: ExportJob, base: Base) -> tuple[Path, list[Patch]] | None:
-    """A worktree with the patch applied on the base alone, else after the
-    patches before it (those it needs); None where it applies neither way."""
+def apply_for_export(
+    job: ExportJob, base: Base, alone: bool = True
+) -> tuple[Path, list[Patch]] | None:
+    """A worktree with the patch applied on the base alone (unless not
+    `alone`), else after the patches before it (those it needs); None where
+    it applies neither way."""
     key = f"{job.stack.name}-export"
     wt = worktree(base.repo, key, base.commit)
     results = {p.file: PatchResult(p.file) for p in job.upto}
-    if not apply_stack(wt, [job.patch], results):
+    if alone and not apply_stack(wt, [job.patch], results):
         return wt, []
     wt = worktree(base.repo, key, base.commit)
     results = {p.file: PatchResult(p.file) for p in job.upto}

@@ -119,6 +119,8 @@ def adapt_test_module(src: Path, rel: str) -> tuple[str, list[str]]:
     text = src.read_text()
     mod = ast.parse(text)
     names = ModuleNames.of(mod)
+    # a module whose helpers drive vLLM's kernels needs what torch users do
+    names.uses_torch = names.uses_torch or bool(helper_paths(src))
     text, want, done = harness_wanted(text, names)
     done += missing_fixtures(src, rel, names.used)
     lines = text.splitlines(keepends=True)
@@ -310,7 +312,21 @@ def harness_pieces(want: list[str], bound: set[str]) -> list[str]:
 
 
 def helper_paths(src: Path) -> list[Path]:
-    """Sibling modules and packages of a test module that it names."""
+    """Sibling modules and packages of a test module that it names, and
+    those they name in turn (a helper's helpers travel with it)."""
+    found: list[Path] = []
+    todo = [src]
+    while todo:
+        for p in named_siblings(todo.pop()):
+            if p != src and p not in found:
+                found.append(p)
+                if p.suffix == ".py":
+                    todo.append(p)
+    return sorted(found)
+
+
+def named_siblings(src: Path) -> list[Path]:
+    """The sibling modules and packages `src` names (imports or strings)."""
     text = src.read_text()
     out = []
     for p in sorted(src.parent.iterdir()):

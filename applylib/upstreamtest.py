@@ -20,9 +20,9 @@ OUTCOME = re.compile(r"^(PASSED|FAILED|ERROR|XFAIL|XPASS) (\S+)")
 
 
 def plain_pytest(tree: Path, ids: list[str], python: str) -> dict[str, str]:
-    """Each test id's outcome (passed, failed, error, ...; "not run" when
-    pytest did not report it) under `python -m pytest` run in `tree`, the
-    tree importable as an installed vLLM is (tree_env's metadata)."""
+    """Each test id's outcome (`outcome`) under `python -m pytest` run in
+    `tree`, the tree importable as an installed vLLM is (tree_env's
+    metadata)."""
     with tempfile.TemporaryDirectory(prefix="vllm-patches-plain-") as scratch:
         env = dict(os.environ, **tree_env(tree, Path(scratch)))
         for own in ("VLLM_TREE", "VLLM_PATCHES_TREE_ENV"):  # the harness's
@@ -36,7 +36,18 @@ def plain_pytest(tree: Path, ids: list[str], python: str) -> dict[str, str]:
         m = OUTCOME.match(line)
         if m:
             seen[m.group(2)] = m.group(1).lower()
-    return {t: seen.get(t, "not run") for t in ids}
+    return {t: outcome(t, seen) for t in ids}
+
+
+def outcome(test: str, seen: dict[str, str]) -> str:
+    """A test id's outcome from pytest's reported ones: its own, or, for a
+    parametrized test named without parameters, failed (or error) when one
+    of its cases is, passed when all are; "not run" when none reported."""
+    got = [o for k, o in seen.items() if k == test or k.startswith(test + "[")]
+    for bad in ("error", "failed"):
+        if bad in got:
+            return bad
+    return got[0] if got and len(set(got)) == 1 else "not run"
 
 
 def before_and_with(

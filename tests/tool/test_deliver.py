@@ -674,6 +674,35 @@ def test_export_onto_another_commit(dx: Fixture) -> None:
     assert p.returncode == 2 and "--onto nope: unknown revision" in p.stderr
 
 
+def test_export_bases_a_patch_on_those_its_test_needs(dx: Fixture) -> None:
+    """A patch that applies on the base alone but whose regression test
+    needs an earlier patch (here 0001's tq_helper): --run-tests finds the
+    test failing with the change too, and export bases the PR on the
+    patches before it, where it fails before and passes with it."""
+    test = (
+        "def test_extra_regression(vllm_tree):\n"
+        "    from vllm.v1.attention.backends import tq_helper\n"
+        "    from vllm import extra\n\n"
+        "    assert extra.VALUE == tq_helper.HELPER\n")
+    (dx.project / "tests" / "patches" / "test_extra.py").write_text(test)
+    commit_patch(dx, "fx/0004-extra.patch",
+                 {"vllm/extra.py": NEW_PY.replace("HELPER", "VALUE")},
+                 "[Core] Extra", ["tests/patches/test_extra.py::"
+                                  "test_extra_regression"])
+    dx.write_series(dx.series.read_text() + "fx/0004-extra.patch\n")
+    up = dx.upstream
+    p = dx.run("export", "0004", "--repo", str(up), "--run-tests")
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert "fx/0004-extra.patch: its regression tests do not fail before and " \
+        "pass with it on the base alone: basing it on the patches before it" \
+        in p.stdout
+    assert "| `tests/test_extra.py::test_extra_regression` | failed | passed |" \
+        in p.stdout, p.stdout
+    ref = "refs/heads/patched/pr/fx-0004-extra"
+    assert git("log", "--format=%s", f"v1.0.0..{ref}^", cwd=up).splitlines()[-1] \
+        == "[Attention][TurboQuant] Lower the threshold"
+
+
 def test_export_branch_safety_and_errors(dx: Fixture) -> None:
     up = dx.upstream
     before = dx.snapshot()
@@ -1116,3 +1145,44 @@ def test_real_series_exports(tmp_path: Path) -> None:
             msg = git("log", "-1", "--format=%B", ref, cwd=user)
             assert msg.count("Signed-off-by:") == 1 and "Jane Dev" in msg
             am_round_trip(user, ref, parent, tmp_path)
+
+
+# the patches whose exported tests CI runs under plain pytest: one a stack,
+# and one (tq-v0.33/0005) that applies alone but whose test needs the
+# patches before it (export bases it on them)
+PLAIN_IN_CI = ["tq/0003", "tq-v0.33/0003", "tq-v0.33/0005"]
+PLAIN_ALL = [f"tq/000{i}" for i in range(1, 6)] + [
+    f"tq-v0.33/000{i}" for i in range(1, 10)]
+
+
+def plain_export(entry: str, tmp_path: Path) -> None:
+    """export --run-tests of one patch of the real series on its stack's
+    base: its test fails before the change and passes with it under plain
+    pytest in vLLM's tree (export exits 1 otherwise)."""
+    stack = entry.split("/")[0]
+    env = dict(os.environ, VLLM_PATCHES_OFFLINE="1")
+    p = subprocess.run([PY, str(APPLY), "base", "--stack", stack], env=env,
+                       capture_output=True, text=True, timeout=1800)
+    assert p.returncode == 0, p.stderr
+    user = tmp_path / stack
+    if not user.exists():
+        repo = p.stdout.split()[2].split("=", 1)[1]
+        git("clone", "-q", "--bare", "--shared", repo, str(user), cwd=tmp_path)
+    r = run_tool("export", entry, "--repo", str(user), "--run-tests",
+                 cache=tmp_path / "cache", cwd=tmp_path, env=submitter(tmp_path),
+                 timeout=1800)
+    assert r.returncode == 0, r.stdout + r.stderr
+    rows = [ln for ln in r.stdout.splitlines() if ln.startswith("| `")]
+    assert rows and all(ln.endswith("| failed | passed |") for ln in rows), rows
+
+
+@pytest.mark.parametrize("entry", PLAIN_IN_CI)
+def test_real_exports_run_under_plain_pytest(entry: str, tmp_path: Path) -> None:
+    plain_export(entry, tmp_path)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("entry", [e for e in PLAIN_ALL if e not in PLAIN_IN_CI])
+def test_real_exports_run_under_plain_pytest_all(entry: str, tmp_path: Path) -> None:
+    plain_export(entry, tmp_path)
+
