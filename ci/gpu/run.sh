@@ -13,7 +13,8 @@
 # tq33-base and tq33-patched, and the UltraQuant tests on tq33-patched),
 # decode (issue 28: tq_decode_bench.py with its sweep on tq33-patched, its
 # presets from DECODE_PRESETS, e.g. 4bit_nc,k3v4_nc, then the grouped
-# decode's tests there), noflash (issue 27: the continuation
+# decode's tests there; issue 38: DECODE_PEER adds vllm#53060's decode),
+# noflash (issue 27: the continuation
 # bench without flash-attn on tq33-base and tq33-patched, and the TurboQuant
 # tests on tq33-patched), releases (tq-v0.33 on older releases: the tests of
 # the patches that apply there, trees tq33-on-<release> from pack.sh's
@@ -203,11 +204,21 @@ if has decode; then
   # v0.33.0's TurboQuant decode kernel, the grouped one and bf16 FA2 side by
   # side (tables and JSON in $OUT/decode), then the grouped decode's tests
   # and the TurboQuant tests whose decode rows take it.
-  run decode_bench 330 $PY ci/gpu/tq_decode_bench.py --tree $T/tq33-patched \
-    --out "$OUT/decode" --sweep --deadline 280 ${DECODE_PRESETS:+--presets $DECODE_PRESETS}
+  # DECODE_PEER=.peer (ci/gpu/peer_stage.sh; carry .peer): vllm#53060's
+  # decode built there and timed beside them (4bit_nc), every kernel's
+  # error against float64 (--errors); DECODE_SWEEP=0: no sweep;
+  # DECODE_TESTS=0: no tests; DECODE_CELLS=BxL,...; DECODE_CAP (330 s).
+  cap=${DECODE_CAP:-330}
+  sweep=--sweep; [ "${DECODE_SWEEP:-1}" = 1 ] || sweep=
+  run decode_bench $cap $PY ci/gpu/tq_decode_bench.py --tree $T/tq33-patched \
+    --out "$OUT/decode" $sweep --deadline $(( cap - 50 )) \
+    ${DECODE_PRESETS:+--presets $DECODE_PRESETS} ${DECODE_CELLS:+--cells $DECODE_CELLS} \
+    ${DECODE_PEER:+--peer $DECODE_PEER --errors}
+  mkdir -p "$OUT/decode"; cp $W/decode_bench.log "$OUT/decode/" 2>/dev/null
   # (without tq/0002's test of a builder given no CPU seq_lens at all: tq-v0.33
   # leaves that to upstream, whose runner and unpadded() always pass the bound)
-  BASE_TREE= pt tq33_decode tq33-patched tests/patches/test_tq_grouped_decode.py \
+  [ "${DECODE_TESTS:-1}" = 1 ] && BASE_TREE= pt tq33_decode tq33-patched \
+    tests/patches/test_tq_grouped_decode.py \
     tests/patches/test_tq_batches.py tests/patches/test_tq_host_metadata.py \
     --deselect tests/patches/test_tq_host_metadata.py::test_builder_without_cpu_seq_lens
   cat "$OUT/decode/tq_decode_table.md" 2>/dev/null

@@ -23,6 +23,14 @@ Each cell, CUDA-graph replayed, L2 flushed before every replay, median of 25:
          standing in for vllm_flash_attn
   floor  compressed K/V bytes (B x L x Hk x slot) / copy bandwidth, measured
          in the same run (``fa2 floor``: the bf16 bytes)
+  peer   (--peer DIR, turboquant_4bit_nc only) vllm#53060's CUDA decode
+         (tqpeer.py: its sources staged in DIR by peer_stage.sh, built here)
+         on the same cache bytes in its page-local layout: its own dispatch
+         (``peer``) and its tensor-core path forced (``peer_mma``)
+
+--errors: each kernel's relative L2 error on requests 0 and B - 1 of every
+cell against float64 attention over the K/V the cache bytes decode to
+(tq_decode_accuracy.Shape's reference), computed before the timing.
 
 Before timing, per preset, a decode step is checked on the device
 (``check``): both kernels against float64 attention over the K/V the cache
@@ -32,7 +40,8 @@ dummy metadata, refilled and replayed, against an eager step, bit for bit.
 --sweep: the grouped kernel's BLOCK_KV x num_warps x programs per SM on
 four cells; per preset the best by the geometric mean of its times there.
 
-    python ci/gpu/tq_decode_bench.py --tree T --out DIR [--sweep] [--small]
+    python ci/gpu/tq_decode_bench.py --tree T --out DIR [--sweep] [--small] \
+        [--peer .peer --errors]
 
 Writes DIR/tq_decode_bench.json and DIR/tq_decode_table.md (printed last).
 --small: CPU shapes in Triton's interpreter (no graphs), a sanity run.
@@ -54,6 +63,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch
 import tqlib
+import tqpeer
 from tqlib import h
 
 HQ, HK, D, BLOCK = 16, 4, 256, 16
@@ -73,11 +83,12 @@ SWEEP_KERNELS = (
 SWEEP_PPSM = (2, 4, 8)
 FLUSH_BYTES = 256 << 20  # > H100's 50 MB L2
 VERIFY = 0  # tokens each request verifies (speculative decoding), 0: none
+ERRORS = False  # --errors: every kernel's error against float64, every cell
 
 
 def parse_args() -> argparse.Namespace:
     global HQ, HK, D, BATCHES, LENS, REPS, CHECK_CACHED, SWEEP_CELLS
-    global SWEEP_KERNELS, SWEEP_PPSM, FLUSH_BYTES, PRESETS, VERIFY
+    global SWEEP_KERNELS, SWEEP_PPSM, FLUSH_BYTES, PRESETS, VERIFY, ERRORS
     ap = argparse.ArgumentParser()
     ap.add_argument("--tree", required=True)
     ap.add_argument("--out", required=True, help="directory for the results")
@@ -89,8 +100,10 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--ppsm", help="sweep's programs per SM, comma list")
     ap.add_argument("--presets", help="comma list, e.g. 4bit_nc,k3v4_nc")
     ap.add_argument("--verify", type=int, default=0, help="also time verification")
+    ap.add_argument("--peer", help="vllm#53060's staged sources (peer_stage.sh)")
+    ap.add_argument("--errors", action="store_true", help="errors vs float64")
     args = ap.parse_args()
-    VERIFY = args.verify
+    VERIFY, ERRORS = args.verify, args.errors
     if args.small:
         HQ, HK, D = 4, 1, 64
         BATCHES, LENS, REPS, CHECK_CACHED = (1, 2), (48, 160), 2, [40, 3, 130]
@@ -201,6 +214,8 @@ def check(env, preset: str) -> dict:
                 "new_no_worse": bool(err_new <= max(err_old, rounding) * 1.01),
                 "pad_row_zero": bool((new[n:] == 0).all()),
             }
+            if env.peer is not None and preset == tqpeer.PRESET:
+                res.update(tqpeer.check(env.peer, batch, impl, layer, BLOCK, want))
             res.update(replay_check(tb, backend, impl, layer, batch))
         finally:
             tb.close_backend()
@@ -382,7 +397,7 @@ def launchers(env, p: Preset, cell: dict, batch: int) -> dict:
     up_splits = p.impl.max_num_kv_splits
 
     def up():
-        triton_turboquant_decode_attention(
+        return triton_turboquant_decode_attention(
             Pi=layer._tq_Pi, max_num_kv_splits=up_splits, **buffers(up_splits),
             **common,
         )  # fmt: skip
@@ -390,7 +405,7 @@ def launchers(env, p: Preset, cell: dict, batch: int) -> dict:
     def new():
         budget = p.impl._max_num_reqs * up_splits // batch
         s = env.gd.grouped_decode_num_splits(batch, HK, budget, tqlib.DEVICE)
-        env.gd.triton_turboquant_grouped_decode_attention(
+        return env.gd.triton_turboquant_grouped_decode_attention(
             num_kv_splits=s, **buffers(s), **common
         )
 
@@ -477,6 +492,7 @@ def run_cell(env, p: Preset, kv, batch: int, length: int, flush, best) -> dict:
     row["fa2_floor_ms"] = batch * length * HK * D * 2 * 2 / bw * 1e3
     cell = p.metadata(batch, length)
     calls = launchers(env, p, cell, batch)
+    peer_and_errors(env, p, cell, (batch, length), calls, row)
     if VERIFY:
         calls.update(verify_calls(env, p, cell, batch, row))
     if tqlib.HAS_CUDA:
@@ -494,6 +510,25 @@ def run_cell(env, p: Preset, kv, batch: int, length: int, flush, best) -> dict:
         f"{k} {v:.3f}" for k, v in row.items() if isinstance(v, float)
     ), flush=True)  # fmt: skip
     return row
+
+
+def peer_and_errors(env, p: Preset, cell: dict, bl: tuple, calls: dict, row) -> None:
+    """The peer's calls into ``calls`` (where its cache is), and with
+    --errors every kernel's error against float64 into ``row``."""
+    batch, length = bl
+    q = cell["query"].view(batch, HQ, D)
+    if getattr(p, "peer_kv", None) is not None:
+        fns, meta = tqpeer.calls(
+            env.peer, p.peer_kv, p.layer, q, cell["table"], cell["seq_lens"],
+            length, BLOCK,
+        )  # fmt: skip
+        calls.update(fns)
+        row.update(meta)
+    if ERRORS:
+        names = [n for n in ("up", "new", "peer", "peer_mma") if n in calls]
+        ref = tqpeer.reference_shape(p.impl, p.layer, p.slots, HQ, BLOCK)
+        fns = {n: calls[n] for n in names}
+        row.update(tqpeer.errors(ref, q, cell["table"], length, fns))
 
 
 # --------------------------------------------------------------------------
@@ -533,10 +568,11 @@ def sweep(env, p: Preset, flush, deadline: float) -> dict:
 # --------------------------------------------------------------------------
 
 
-def fitting_cells(preset: str) -> tuple[list, int]:
-    """Cells whose TurboQuant cache fits in half the free memory, and the
-    tokens of bf16 K/V that fit in what is left (0 on CPU)."""
-    slot = h.tq_slot_size(preset, D)
+def fitting_cells(preset: str, copies: int = 1) -> tuple[list, int]:
+    """Cells whose TurboQuant cache (``copies`` of it: 2 with the peer's
+    layout) fits in half the free memory, and the tokens of bf16 K/V that
+    fit in what is left (0 on CPU)."""
+    slot = h.tq_slot_size(preset, D) * copies
     cells = list(itertools.product(BATCHES, LENS))
     if not tqlib.HAS_CUDA:
         return cells, 0
@@ -550,13 +586,16 @@ def fitting_cells(preset: str) -> tuple[list, int]:
 
 
 def run_preset(env, preset: str, args, flush, res: dict) -> None:
-    cells, fa_tokens = fitting_cells(preset)
+    peer = env.peer is not None and preset == tqpeer.PRESET
+    cells, fa_tokens = fitting_cells(preset, 2 if peer else 1)
     if args.cells:
         cells = [c for c in cells if c in args.cells]
     t0 = time.time()
     res["checks"][preset] = check(env, preset)
     print(f"[{preset}] check {res['checks'][preset]}", flush=True)
     p = Preset(env, preset, cells)
+    if peer:
+        p.peer_kv = tqpeer.to_peer_layout(p.slots, p.cfg)
     kv = None
     if fa_tokens:
         kv = torch.empty(2, fa_tokens, HK, D, dtype=DTYPE, device=tqlib.DEVICE)
@@ -581,32 +620,54 @@ def run_preset(env, preset: str, args, flush, res: dict) -> None:
 
 
 def table(res: dict) -> str:
+    rows = res["rows"]
+    peer = any("peer" in r or "peer_mma" in r for r in rows)
     cols = ("floor_ms", "up", "new", "fwd", "best", "fa2", "fa2v")
-    head = (
-        "| preset | B | L | " + " | ".join(cols) + " | new/floor | new/fa2 | up/new |"
-    )
+    cols += ("peer", "peer_mma") if peer else ()
+    ratios = ("new/floor", "new/fa2", "up/new") + (("peer/fa2", "new/peer") if peer else ())
+    head = "| preset | B | L | " + " | ".join(cols + ratios) + " |"
     device = res["device"].get("device")
     bw = res["ceilings"]["copy_bytes_per_s"] / 1e12
     title = f"### TurboQuant decode, ms ({device}, copy {bw:.2f} TB/s)"
-    lines = [title, "", head, "|" + "---|" * (len(cols) + 6)]
-    for r in res["rows"]:
-        cells = [f"{r[c]:.3f}" if c in r else "-" for c in cols]
+    lines = [title, "", head, "|" + "---|" * (len(cols) + len(ratios) + 3)]
+    for r in rows:
+        cells = [f"{r[c]:.3f}" if isinstance(r.get(c), float) else "-" for c in cols]
         fast = min(r.get("new", math.inf), r.get("best", math.inf))
         ratio = [fast / r["floor_ms"], fast / r.get("fa2", math.nan),
                  r.get("up", math.nan) / fast]  # fmt: skip
+        if peer:  # the faster of its two paths
+            both = [r[k] for k in ("peer", "peer_mma") if isinstance(r.get(k), float)]
+            top = min(both, default=math.nan)
+            ratio += [top / r.get("fa2", math.nan), fast / top]
         lines.append(
             f"| {r['preset'].removeprefix('turboquant_')} | {r['B']} | {r['L']} | "
-            + " | ".join(cells)
-            + " | "
-            + " | ".join(f"{x:.2f}" for x in ratio)
+            + " | ".join(cells + [f"{x:.2f}" if math.isfinite(x) else "-" for x in ratio])
             + " |"
         )
+    lines += error_lines(rows)
     for preset, s in res["sweeps"].items():
         lines.append(f"\nsweep {preset}: best (BLOCK_KV, warps, stages, programs/SM) "
                      f"{s['best']} of {len(s['points'])}")  # fmt: skip
     for preset, c in res["checks"].items():
         lines.append(f"check {preset}: {json.dumps(c)}")
     return "\n".join(lines) + "\n"
+
+
+def error_lines(rows: list) -> list[str]:
+    """The relative L2 errors against float64 (--errors), a row a cell."""
+    names = [n for n in ("up", "new", "peer", "peer_mma")
+             if any(f"err_{n}" in r for r in rows)]  # fmt: skip
+    if not names:
+        return []
+    out = ["", "relative L2 error against float64 (requests 0 and B - 1):", "",
+           "| preset | B | L | " + " | ".join(names) + " |",
+           "|" + "---|" * (len(names) + 3)]  # fmt: skip
+    for r in rows:
+        errs = [r.get(f"err_{n}", "-") for n in names]
+        errs = [f"{e:.2e}" if isinstance(e, float) else str(e)[:40] for e in errs]
+        out.append(f"| {r['preset'].removeprefix('turboquant_')} | {r['B']} | "
+                   f"{r['L']} | " + " | ".join(errs) + " |")  # fmt: skip
+    return out
 
 
 def main() -> int:
@@ -618,6 +679,7 @@ def main() -> int:
     import vllm.v1.attention.ops.triton_turboquant_grouped_decode as gd
 
     env.gd, env.errors = gd, []
+    env.peer = tqpeer.try_build(args.peer, env.errors) if args.peer else None
     env.ceil = tqlib.ceilings()
     res = {
         "device": tqlib.device_info(),
@@ -635,6 +697,8 @@ def main() -> int:
         "rows": [],
         "not_run": [],
         "preset_s": {},
+        "peer": env.peer.info if env.peer is not None else None,
+        "argv": sys.argv[1:],
     }
     print(f"ceilings {env.ceil}", flush=True)
     flush = torch.empty(FLUSH_BYTES, dtype=torch.uint8, device=tqlib.DEVICE)
