@@ -10,7 +10,7 @@ TurboQuant patches fix for TurboQuant.
   first-chunk branch) and which async scheduling overstates.
 - The flash-attn fast path (tq-v0.33/0005, vllm#46460): a request with cached
   context batched with a longer fresh prompt ignores its context.
-- The path without flash-attn (tq-v0.33/0006): its continuation could not run
+- The path without flash-attn (tq-v0.33/0007): its continuation could not run
   grouped-query models and masked top-left.
 
 Every step runs the tree's own store kernel, metadata builder and
@@ -109,7 +109,7 @@ def test_uq_context_batched_with_longer_fresh_prompt(env, attention) -> None:
 
 
 # --------------------------------------------------------------------------
-# tq-v0.33/0006: the continuation without flash-attn
+# tq-v0.33/0007: the continuation without flash-attn
 # --------------------------------------------------------------------------
 
 

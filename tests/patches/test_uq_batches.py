@@ -13,7 +13,7 @@ Triton's interpreter (its bf16 dot fixed by the harness), so the search is
 shorter than TurboQuant's and the continuation threshold is 4 queries.
 
 On v0.33.0 with the TurboQuant patches its short search finds, by itself,
-three of the bugs tq-v0.33/0004-0006 fix: the replay's frozen lengths, the
+three of the bugs tq-v0.33/0004, 0005 and 0007 fix: the replay's frozen lengths, the
 host upper bound in the small continuation, the continuation without
 flash-attn crashing on grouped queries; not the fast path's (a rarer batch,
 which test_uq_attention.py holds). ``TQ_BATCH_EXAMPLES=N`` searches longer.

@@ -16,14 +16,13 @@ a decode warm-up, ``lock_workspace()``, then continuations with the block
 table as wide as the runner's (max_model_len). The continuation threshold is
 lowered to 4 queries and the tile to 64 tokens (one UltraQuant block) to walk
 several tiles in Triton's interpreter. Every row is checked against float64
-attention over the K/V the cache holds (``tqbatches``), also with a sliding
-window, sinks, and a head_dim above 256 (which ROCm's flash-attn lacks).
+attention over the K/V the cache holds (``tqbatches``), also with a head_dim
+above 256 (which ROCm's flash-attn lacks).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -187,54 +186,16 @@ def test_uq_continuation_temporaries_bounded_by_tile(
 
 
 # --------------------------------------------------------------------------
-# The tiles against float64 attention: sliding window, sinks, head_dim 512
+# The tiles against float64 attention, head_dim 512 too
 # --------------------------------------------------------------------------
-
-
-def attend(q, k, v, first_pos: int, scale: float, window, sinks) -> torch.Tensor:
-    """Causal attention in float64 within a sliding window (keys at most
-    window - 1 positions back), with a sink logit per query head."""
-    group = q.shape[1] // k.shape[1]
-    kk, vv = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
-    s = torch.einsum("qhd,khd->hqk", q, kk) * scale
-    q_pos = torch.arange(q.shape[0]).unsqueeze(1) + first_pos
-    k_pos = torch.arange(k.shape[0]).unsqueeze(0)
-    seen = k_pos <= q_pos
-    if window:
-        seen &= q_pos - k_pos < window
-    s = s.masked_fill(~seen, -math.inf)
-    if sinks is not None:
-        sink = sinks.cpu().double().view(-1, 1, 1).expand(-1, q.shape[0], 1)
-        s = torch.cat([s, sink], dim=-1)
-        vv = torch.cat([vv, vv.new_zeros(1, *vv.shape[1:])])
-    return torch.einsum("hqk,khd->qhd", s.softmax(-1), vv)
-
-
-def check_windowed(batch: tb.Batch, out: torch.Tensor, impl: Any, layer: Any):
-    """Every row against ``attend`` (rows read as tqbatches.reference does)."""
-    q_all = tb.plain(batch.query).cpu().double()
-    q_all = q_all.reshape(-1, impl.num_heads, impl.head_size)
-    paths = tb.row_paths(batch.reqs, THRESHOLD)
-    start, tol = 0, tb.tolerance(impl)
-    for i, (r, got) in enumerate(zip(batch.reqs, tb.rows(out, batch.reqs))):
-        k, v = tb.row_kv(batch, i, impl, layer, paths[i])
-        q = q_all[start : start + r.q]
-        start += r.q
-        if paths[i] == "cache":
-            q = tb.uq_query(q)
-        want = attend(q, k, v, r.cached, impl.scale, impl.sliding_window, impl.sinks)
-        err = (got - want.reshape(r.q, -1)).abs().max().item()
-        assert err <= tol, f"request {i} {r!r}: max |out - reference| = {err:.3g}"
 
 
 D512 = dataclasses.replace(tb.UQ_SHAPE, hq=2, hk=1, head=512, max_model_len=512)
 CASES = {
-    # name: (shape, attention, window, sinks, requests)
-    "flash-attn": (None, "flash-attn", None, False, [(20, 1), (3 * TILE + 5, 6)]),
-    "no-flash-attn": (None, "no-flash-attn", None, False, [(3 * TILE + 5, 6)]),
-    "window": (None, "no-flash-attn", 100, False, [(20, 1), (3 * TILE + 5, 6)]),
-    "sinks": (None, "flash-attn", None, True, [(20, 1), (3 * TILE + 5, 6)]),
-    "head-512-window": (D512, "flash-attn", 100, False, [(2 * TILE + 5, 6)]),
+    # name: (shape, attention, requests)
+    "flash-attn": (None, "flash-attn", [(20, 1), (3 * TILE + 5, 6)]),
+    "no-flash-attn": (None, "no-flash-attn", [(3 * TILE + 5, 6)]),
+    "head-512": (D512, "flash-attn", [(2 * TILE + 5, 6)]),
 }
 
 
@@ -243,19 +204,12 @@ def test_uq_tiled_continuation_matches_reference(
     open_env, monkeypatch: pytest.MonkeyPatch, case: str
 ) -> None:
     """Continuations over several tiles (and a decode in the same step)
-    against float64 attention: flash-attn's code paths or not; a sliding
-    window and sinks (flash-attn takes neither: the tiles go through
-    PyTorch, as they did through vLLM's Triton unified_attention over a
-    whole-context copy); head_dim 512 (ROCm's flash-attn has none)."""
-    shape, attention, window, sinks, reqs = CASES[case]
+    against float64 attention: flash-attn's code paths or not; head_dim 512
+    (ROCm's flash-attn has none: the tiles go through PyTorch, as they did
+    through vLLM's Triton unified_attention over a whole-context copy)."""
+    shape, attention, reqs = CASES[case]
     env = open_env(shape or tb.UQ_SHAPE, max_num_batched_tokens=256)
     tb.use_attention(attention, env, monkeypatch.setattr)
     impl, layer = tb.new_impl(env, attention)
-    impl.sliding_window = window
-    if sinks:
-        g = torch.Generator().manual_seed(5)
-        # Logits about as large as the context's log-sum-exp: they matter.
-        sinks = 5 + 2 * torch.randn(env.shape.hq, generator=g)
-        impl.sinks = sinks.to(tb.DEVICE)
     batch, out = step(env, impl, layer, [Req(*r) for r in reqs], seed=11)
-    check_windowed(batch, out, impl, layer)
+    tb.check_rows(out, batch, impl, layer)
