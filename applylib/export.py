@@ -9,6 +9,7 @@ import json
 import re
 import shlex
 import shutil
+import tempfile
 from pathlib import Path, PurePosixPath
 
 from .bases import (
@@ -46,7 +47,7 @@ from .series import (
     pick_patch,
 )
 from .testrun import test_python
-from .upstreamtest import before_and_with
+from .upstreamtest import before_and_with, fail_without_fix
 from .wheelbuild import cmd_wheel
 
 # Subject component -> vLLM's test directory for it.
@@ -183,9 +184,12 @@ def tests_before_and_with(
     if args.onto:
         ids = pr.tests.node_ids(job.patch)
         key, where = f"{job.stack.name}-onto", f"on {args.onto}"
-        text, pr.tests_ok = before_and_with(
-            base.repo, key, pr.parent, pr.wt, ids, python
-        )
+        if fix_elsewhere(job.patch):  # the tests alone: they must fail there
+            text, pr.tests_ok = fail_without_fix(pr.wt, ids, python)
+        else:
+            text, pr.tests_ok = before_and_with(
+                base.repo, key, pr.parent, pr.wt, ids, python
+            )
     if pr.tests_ok:
         return f"{where}: {text}"
     return (
@@ -246,8 +250,9 @@ def make_pr_commit(
     ids = tests.node_ids(job.patch)
     if args.run_tests:
         key = f"{job.stack.name}-export"
+        change = "with the fix" if fix_elsewhere(job.patch) else "with this change"
         pr.result, pr.tests_ok = before_and_with(
-            base.repo, key, parent, wt, ids, python
+            base.repo, key, parent, wt, ids, python, change
         )
         if not pr.tests_ok and not needs and len(job.upto) > 1:
             print(
@@ -256,11 +261,35 @@ def make_pr_commit(
             )
             return make_pr_commit(job, base, args, signoff, python, alone=False)
     msg = gout("log", "-1", "--format=%B", am_commit, cwd=wt)
+    fix_pr = fix_elsewhere(job.patch)
     message, pr.body, pr.dropped = pr_message(
-        job.patch, msg, ids, pr.result, signoff, needs, tests.renames
+        job.patch, msg, ids, pr.result, signoff, needs, tests.renames, fix_pr
     )
-    pr.commit = pr_commit(wt, am_commit, parent, message, signoff)
+    tree = tests_only_tree(wt, am_commit, parent) if fix_pr else None
+    pr.commit = pr_commit(wt, am_commit, parent, message, signoff, tree)
     return pr
+
+
+def fix_elsewhere(patch: Patch) -> str | None:
+    """The upstream PR that already carries the patch's fix (its header's
+    'Upstream-Status: Submitted [URL]'): the export then holds the
+    regression tests alone, offered to that PR."""
+    status = (patch.values("Upstream-Status") or [""])[0]
+    m = re.fullmatch(r"Submitted \[(\S+)\]", status)
+    return m.group(1) if m else None
+
+
+def tests_only_tree(wt: Path, am_commit: str, parent: str) -> str:
+    """`parent`'s tree with the files the worktree's index adds over the
+    patch's commit (the placed tests and their helpers), without the fix."""
+    added = gout(
+        "diff", "--cached", "--name-only", "--diff-filter=A", am_commit, cwd=wt
+    ).split()
+    with tempfile.TemporaryDirectory(prefix="vllm-patches-index-") as d:
+        env = {"GIT_INDEX_FILE": str(Path(d) / "index")}
+        git("read-tree", parent, cwd=wt, env=env)
+        git("add", "-f", "--", *added, cwd=wt, env=env)
+        return gout("write-tree", cwd=wt, env=env)
 
 
 def carry_onto(
@@ -475,11 +504,16 @@ def copy_helper(h: Path, src: Path, wt: Path, dest: str) -> list[str]:
 
 
 def pr_commit(
-    wt: Path, am_commit: str, parent: str, message: str, signoff: tuple[str, str]
+    wt: Path,
+    am_commit: str,
+    parent: str,
+    message: str,
+    signoff: tuple[str, str],
+    tree: str | None = None,
 ) -> str:
-    """The staged tree committed on `parent` with the PR message: the patch's
-    author and date, committed by the one signing off."""
-    tree = gout("write-tree", cwd=wt)
+    """The staged tree (or `tree`) committed on `parent` with the PR message:
+    the patch's author and date, committed by the one signing off."""
+    tree = tree or gout("write-tree", cwd=wt)
     who = gout(
         "log", "-1", "--format=%an%x00%ae%x00%ad", "--date=raw", am_commit, cwd=wt
     ).split("\0")
@@ -553,8 +587,14 @@ def report_export(
     stem: str,
 ) -> None:
     base = ex.base
+    subject = gout("log", "-1", "--format=%s", ex.commit, cwd=base.repo)
     print(f"{ex.ref} in {base.repo}")
-    print(f"  {ex.commit[:12]} {patch.subject}")
+    print(f"  {ex.commit[:12]} {subject}")
+    if fix := fix_elsewhere(patch):
+        print(
+            f"  tests only: the fix is {fix} (Upstream-Status); offer them "
+            "there, or send them as a PR of their own"
+        )
     on = (
         f"{base.rev} ({base.commit[:12]})"
         if not ex.needs
@@ -589,7 +629,7 @@ def report_export(
     if base.source in ("cache", "pypi") and re.search(
         r"^Release: ",
         gout("log", "-1", "--format=%B", base.commit, cwd=base.repo),
-        re.M,
+        re.MULTILINE,
     ):
         print(
             f"  note: {base.repo} is the tool's cache: its {base.rev} is the "
@@ -599,6 +639,11 @@ def report_export(
             f"commit to a branch at {base.rev} there: git -C ~/src/vllm am -k "
             f"{ex.patch_file}"
         )
+    print_open_pr(ex, subject)
+
+
+def print_open_pr(ex: Exported, subject: str) -> None:
+    """The commands that push the branch and open the PR."""
     remote_branch = (
         ex.branch.split("/", 1)[1]
         if ex.branch.startswith(REF_NS[len("refs/heads/") :] + "/")
@@ -609,12 +654,12 @@ def report_export(
         "first if its base is a release):"
     )
     print(
-        f"  git -C {shlex.quote(str(base.repo))} push YOUR_FORK_REMOTE "
+        f"  git -C {shlex.quote(str(ex.base.repo))} push YOUR_FORK_REMOTE "
         f"{ex.ref}:refs/heads/{remote_branch}"
     )
     print(
         f"  gh pr create --repo vllm-project/vllm --base main --head "
-        f"YOUR_GITHUB_USER:{remote_branch} --title {shlex.quote(patch.subject)} "
+        f"YOUR_GITHUB_USER:{remote_branch} --title {shlex.quote(subject)} "
         f"--body-file {shlex.quote(str(ex.body_file))}"
     )
 

@@ -155,9 +155,9 @@ class ModuleNames:
         }
         bound = set()
         for n in mod.body:
-            if isinstance(n, ast.Import):
-                bound |= {a.asname or a.name for a in n.names}
-            elif isinstance(n, ast.ImportFrom) and n.module:
+            if isinstance(n, ast.Import) or (
+                isinstance(n, ast.ImportFrom) and n.module
+            ):
                 bound |= {a.asname or a.name for a in n.names}
         uses_torch = any(
             (
@@ -367,6 +367,7 @@ def pr_message(
     signoff: tuple[str, str],
     needs: list[Patch],
     renames: dict[str, str],
+    fix_pr: str | None = None,
 ) -> tuple[str, str, list[str]]:
     """The commit message and PR body in vLLM's PR template.
 
@@ -375,13 +376,18 @@ def pr_message(
     sections as its subsections), Test Plan (the carried test's command
     first, then the patch's own plan with the series' paths replaced by the
     exported ones), Test Result (the patch's, and ours when run). "When to
-    drop" is about the series only and is left out. Returns the message,
-    the body and the titles of the sections left out.
+    drop" is about the series only and is left out. With `fix_pr` (an
+    upstream PR that carries the fix already) the PR holds the tests alone,
+    for that PR. Returns the message, the body and the titles of the
+    sections left out.
     """
     text, trailers = split_trailers(msg)
     subject, _, body = text.partition("\n")
     own = TemplateSections.of(body)
-    plan = pr_test_plan(node_ids, own.plan, renames)
+    plan = pr_test_plan(node_ids, own.plan, renames, fix_pr)
+    links = pr_links(patch, needs)
+    if fix_pr:
+        subject, links = tests_only_text(subject, own, links, fix_pr)
     if result is None:
         result = (
             ""
@@ -391,7 +397,7 @@ def pr_message(
                 "Plan's output before and after this change)."
             )
         )
-    pr_body = template_body(own, pr_links(patch, needs), plan, result)
+    pr_body = template_body(own, links, plan, result)
     message = (
         subject.strip()
         + "\n\n"
@@ -445,17 +451,47 @@ def pr_links(patch: Patch, needs: list[Patch]) -> list[str]:
     return links
 
 
+def tests_only_text(
+    subject: str, own: TemplateSections, links: list[str], fix_pr: str
+) -> tuple[str, list[str]]:
+    """A tests-only PR's subject and links, its Purpose led by what it is:
+    the regression tests of the fix `fix_pr` carries."""
+    ref = "#" + m.group(1) if (m := re.search(r"/pull/(\d+)", fix_pr)) else fix_pr
+    tags, rest = re.fullmatch(r"((?:\[[^\]]*\])*)\s*(.*)", subject).groups()
+    rest = rest[:1].lower() + rest[1:]
+    own.purpose.insert(
+        0,
+        f"Regression tests for the fix of {ref}, without the fix: they fail "
+        f"without {ref}'s change and pass with it. What they check:",
+    )
+    own.purpose[1:] = [
+        re.sub(r"^### Fix\b", "### The fix they were run with", x)
+        for x in own.purpose[1:]
+    ]
+    links = [x.replace("FIX #", "Related: #", 1) for x in links]
+    return f"{tags} Regression tests for {ref}: {rest}".strip(), [
+        f"Tests the fix of: {fix_pr}",
+        *links,
+    ]
+
+
 def pr_test_plan(
     node_ids: list[str],
     plan_own: list[str],
     renames: dict[str, str],
+    fix_pr: str | None = None,
 ) -> list[str]:
     """The Test Plan's lines: the carried tests' command, then the patch's
     own plan with the exported paths (how each test was adapted is the
     export's output, not the PR's)."""
     plan = [
-        "Regression tests added with this change (they fail before it "
-        "and pass with it):",
+        (
+            f"Regression tests (they fail without the fix of {fix_pr} and pass "
+            "with it):"
+            if fix_pr
+            else "Regression tests added with this change (they fail before it "
+            "and pass with it):"
+        ),
         "",
         "```bash",
         "pytest -v " + " \\\n    ".join(map(shlex.quote, node_ids)),
@@ -471,15 +507,20 @@ def pr_test_plan(
 def pr_trailers(
     trailers: list[tuple[str, str]], signoff: tuple[str, str]
 ) -> list[tuple[str, str]]:
-    """The trailers the PR commit keeps, signed off."""
-    project = f"{IDENTITY[0]} <{IDENTITY[1]}>"  # the series' own: no sign-off
-    kept = [
-        (k, v)
-        for k, v in trailers
-        if k.lower() not in PR_DROP_TRAILERS
-        and not (k.lower() == "signed-off-by" and v == project)
-    ]
+    """The trailers the PR commit keeps, signed off. The series' own
+    identity signs nothing off; as the co-author of a backport it stands
+    for the one who submits the adaptation."""
+    project = f"{IDENTITY[0]} <{IDENTITY[1]}>"
     sob = f"{signoff[0]} <{signoff[1]}>"
+    kept = []
+    for k, v in trailers:
+        if k.lower() == "co-authored-by" and v == project:
+            v = sob
+        drop = k.lower() in PR_DROP_TRAILERS or (
+            k.lower() == "signed-off-by" and v == project
+        )
+        if not drop and (k, v) not in kept:
+            kept.append((k, v))
     if ("Signed-off-by", sob) not in kept:
         kept.append(("Signed-off-by", sob))
     return kept

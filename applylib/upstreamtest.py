@@ -51,7 +51,13 @@ def outcome(test: str, seen: dict[str, str]) -> str:
 
 
 def before_and_with(
-    repo: Path, key: str, before: str, after: Path, ids: list[str], python: str
+    repo: Path,
+    key: str,
+    before: str,
+    after: Path,
+    ids: list[str],
+    python: str,
+    change: str = "with this change",
 ) -> tuple[str, bool]:
     """The tests `ids` under plain pytest on commit `before` (with the test
     files `after`'s index adds under tests/ copied in) and in the worktree
@@ -77,11 +83,27 @@ def before_and_with(
     table = [
         (
             "The regression tests under plain pytest in vLLM's tree, before "
-            "and with this change:"
+            f"and {change}:"
         ),
         "",
-        "| test | before | with this change |",
+        f"| test | before | {change} |",
         "|---|---|---|",
         *rows,
     ]
     return "\n".join(table), ok
+
+
+def fail_without_fix(tree: Path, ids: list[str], python: str) -> tuple[str, bool]:
+    """The tests `ids` under plain pytest in `tree`, which holds them but
+    not the fix they were written for: a table, and whether each failed
+    (the bug is there)."""
+    was = plain_pytest(tree, ids, python)
+    rows = [f"| `{t}` | {was[t]} |" for t in ids]
+    table = [
+        "The regression tests under plain pytest in vLLM's tree, without the fix:",
+        "",
+        "| test | without the fix |",
+        "|---|---|",
+        *rows,
+    ]
+    return "\n".join(table), all(was[t] == "failed" for t in ids)

@@ -674,6 +674,42 @@ def test_export_onto_another_commit(dx: Fixture) -> None:
     assert p.returncode == 2 and "--onto nope: unknown revision" in p.stderr
 
 
+def test_export_tests_only_for_a_fix_submitted_elsewhere(dx: Fixture) -> None:
+    """A patch whose fix another upstream PR carries already
+    ('Upstream-Status: Submitted [URL]') is exported as its regression tests
+    alone, offered to that PR: the branch holds no fix, the PR text says
+    whose fix it tests and closes no issue, --run-tests shows the tests
+    failing without the fix and passing with it, and on --onto failing
+    there."""
+    f = dx.project / "patches" / "fx" / "0002-fix-add.patch"
+    f.write_text(f.read_text().replace(
+        "Upstream-Status: Pending\n",
+        "Upstream-Status: Submitted [https://github.com/vllm-project/vllm/pull/"
+        "46461]\n"))
+    up = dx.upstream
+    p = dx.run("export", "0002", "--repo", str(up), "--run-tests")
+    assert p.returncode == 0, p.stdout + p.stderr
+    ref = "refs/heads/patched/pr/fx-0002-fix-add"
+    tests = ["tests/fake_helper/__init__.py", "tests/test_add.py"]  # no vllm/
+    assert git("diff", "--name-only", f"{ref}^", ref, cwd=up).split() == tests
+    msg = git("log", "-1", "--format=%B", ref, cwd=up)
+    assert msg.startswith("[Core] Regression tests for #46461: fix add\n"), msg
+    assert "Regression tests for the fix of #46461, without the fix: they " \
+        "fail without #46461's change and pass with it." in msg
+    assert "Tests the fix of: https://github.com/vllm-project/vllm/pull/46461" \
+        in msg and "FIX #" not in msg
+    assert "| test | before | with the fix |" in msg
+    assert "tests only: the fix is https://github.com/vllm-project/vllm/pull/" \
+        "46461 (Upstream-Status)" in p.stdout
+    assert "--title '[Core] Regression tests for #46461: fix add'" in p.stdout
+    assert "| `tests/test_add.py::test_add_regression` | failed | passed |" in msg
+    p = dx.run("export", "0002", "--repo", str(up), "--onto", "v1.1.0",
+               "--run-tests")
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert "| `tests/test_add.py::test_add_regression` | failed |\n" in p.stdout
+    assert git("diff", "--name-only", "v1.1.0", ref, cwd=up).split() == tests
+
+
 def test_export_bases_a_patch_on_those_its_test_needs(dx: Fixture) -> None:
     """A patch that applies on the base alone but whose regression test
     needs an earlier patch (here 0001's tq_helper): --run-tests finds the
@@ -1147,12 +1183,30 @@ def test_real_series_exports(tmp_path: Path) -> None:
             am_round_trip(user, ref, parent, tmp_path)
 
 
+def test_backport_keeps_its_author_and_sign_off() -> None:
+    """A backport's PR commit keeps the original author's sign-off; the
+    series' identity signs nothing off and, as the adaptation's co-author,
+    stands for the submitter (the dsv4 patches' own trailers)."""
+    from applylib.prtext import pr_trailers
+    from applylib.series import load_patch, parse_series
+
+    series = parse_series(ROOT / "series")
+    patch = load_patch(series, "dsv4/0002-rocm-dsv4-compressor-first-token-rope.patch")
+    assert "\nFrom: Chuan Li <chuali@amd.com>\n" in patch.raw.decode()
+    got = pr_trailers(patch.trailers, ("Jane Dev", "jane@example.com"))
+    assert [(k, v) for k, v in got if k in ("Co-authored-by", "Signed-off-by")] == [
+        ("Co-authored-by", "Jane Dev <jane@example.com>"),
+        ("Signed-off-by", "Chuan Li <chuali@amd.com>"),
+        ("Signed-off-by", "Jane Dev <jane@example.com>"),
+    ]
+
+
 # the patches whose exported tests CI runs under plain pytest: one a stack,
 # and one (tq-v0.33/0005) that applies alone but whose test needs the
 # patches before it (export bases it on them)
 PLAIN_IN_CI = ["tq/0003", "tq-v0.33/0003", "tq-v0.33/0005"]
 PLAIN_ALL = [f"tq/000{i}" for i in range(1, 6)] + [
-    f"tq-v0.33/000{i}" for i in range(1, 10)]
+    f"tq-v0.33/000{i}" for i in (1, 2, 3, 4, 5, 7, 8, 9)]
 
 
 def plain_export(entry: str, tmp_path: Path) -> None:
