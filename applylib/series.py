@@ -516,9 +516,13 @@ def pick_patch(series: Series, want: str) -> tuple[Stack, str]:
         if e.startswith(want) or Path(e).name.startswith(want)
     ]
     if len(found) != 1:
-        what = "no patch" if not found else f"{len(found)} patches"
+        what = (
+            "no patch of the series matches"
+            if not found
+            else f"{len(found)} patches of the series match"
+        )
         raise UserError(
-            f"'{want}': {what} of the series match (give the file "
+            f"'{want}': {what} (give the file "
             "name, e.g. tq/0001-....patch, or a unique prefix)"
         )
     return found[0]

@@ -9,7 +9,12 @@ Fast and offline (no vLLM, no network, no base):
   and every relative link exists, and a link's `#anchor` is a heading there;
 - docs/series-format.md's tables of directives, keys and trailers list
   exactly what applylib's parser accepts (applylib/core.py's constants);
-- README.md's patch table agrees with each patch header's Upstream-Status.
+- README.md's patch table agrees with each patch header's Upstream-Status;
+- every command of a block marked ```console docs-run (`$ python apply.py
+  ...` lines, each followed by the output the docs show) exits as its
+  `# exit N` comment says (none: 0) and prints those lines first; it runs
+  from a working directory of links to the project's files, with an empty
+  HOME (so an empty tool cache), offline (no git remote, no package index).
 
     python ci/docs_check.py [--root DIR]
 
@@ -24,10 +29,14 @@ import dataclasses
 import functools
 import io
 import itertools
+import os
 import re
 import shlex
+import signal
 import subprocess
 import sys
+import tempfile
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 PROJECT = Path(__file__).resolve().parent.parent
@@ -51,6 +60,13 @@ REDIRECT = re.compile(r"^\d*[<>]")
 # only what a person puts there (pack.sh reads it; nothing is kept in git).
 NOT_OURS = tuple(f"{d}/" for d in sorted(set(COMPONENT_TESTS.values())))
 MADE_BY_HAND = ("ci/gpu/proposed/",)
+# The documented output: a fenced block whose info string names docs-run
+# holds `$ COMMAND` lines, each followed by the first lines it prints.
+RUN_FENCE = re.compile(r"^\s*(```|~~~).*\bdocs-run\b")
+EXIT_NOTE = re.compile(r"\s#\s*exit (\d+)\b")  # `$ python apply.py ...  # exit 2`
+PYTHON = re.compile(r"(?:\S*/)?python(?:3(?:\.\d+)?)?")
+SHELL_WORD = re.compile(r"[|&;<>$`()]")
+RUN_TIMEOUT = 20  # seconds: a command the check runs must be quick
 PATH_TOKEN = re.compile(r"[\w.~*?<>{}…/+$-]+(?:\[[\w*-]*\])?[\w.~*?<>{}…/+$-]*")
 
 
@@ -491,6 +507,192 @@ def check_readme(root: Path, probs: Problems) -> int:
     return len(seen)
 
 
+# --- documented output ----------------------------------------------------
+
+
+@dataclasses.dataclass
+class Run:
+    """One `$ COMMAND` line of a docs-run block: its exit code (the
+    `# exit N` comment; none: 0) and the output lines shown under it, up to
+    a `...` line (line number, text)."""
+
+    doc: Doc
+    line: int
+    cmd: str
+    exit: int
+    shown: list[tuple[int, str]] = dataclasses.field(default_factory=list)
+    more: bool = False
+
+
+def run_blocks(doc: Doc) -> list[tuple[int, list[tuple[int, str]]]]:
+    """(fence line, its lines) of each docs-run block, a `$` line's
+    backslash continuations joined."""
+    blocks: list[tuple[int, list[tuple[int, str]]]] = []
+    cur: list[tuple[int, str]] | None = None
+    fenced = False
+    for n, line in enumerate(doc.lines, 1):
+        if FENCE.match(line):
+            fenced = not fenced
+            cur = [] if fenced and RUN_FENCE.match(line) else None
+            if cur is not None:
+                blocks.append((n, cur))
+        elif cur is not None:
+            if cur and cur[-1][1].startswith("$ ") and cur[-1][1].endswith("\\"):
+                cur[-1] = (cur[-1][0], cur[-1][1][:-1].rstrip() + " " + line.strip())
+            else:
+                cur.append((n, line.rstrip()))
+    return blocks
+
+
+def runs(doc: Doc, probs: Problems) -> list[Run]:
+    """The commands of the doc's docs-run blocks with what the docs show."""
+    out: list[Run] = []
+    for fence, lines in run_blocks(doc):
+        cur: Run | None = None
+        for n, text in lines:
+            if text.startswith("$ "):
+                note = EXIT_NOTE.search(text)
+                cmd = text[2:].split(" #", 1)[0].strip()
+                cur = Run(doc, n, cmd, int(note.group(1)) if note else 0)
+                out.append(cur)
+            elif cur is None:
+                if text:
+                    probs.add(doc, n, "docs-run: output before any '$ ' command")
+            elif text.strip() in ("...", "…"):
+                cur.more = True
+            elif not cur.more:
+                cur.shown.append((n, text))
+        if cur is None:
+            probs.add(doc, fence, "docs-run block without a '$ ' command")
+    for run in out:
+        while run.shown and not run.shown[-1][1]:
+            run.shown.pop()
+    return out
+
+
+def run_args(cmd: str) -> list[str] | None:
+    """apply.py's arguments, or None when the command is not `python
+    apply.py ARGS` alone (a pipe, a redirection, a variable)."""
+    try:
+        words = shlex.split(cmd)
+    except ValueError:
+        return None
+    if len(words) < 2 or not PYTHON.fullmatch(words[0]) or words[1] != "apply.py":
+        return None
+    if any(SHELL_WORD.search(w) for w in words[2:]):
+        return None
+    return words[2:]
+
+
+def interpreter(root: Path) -> str:
+    """The project's .venv Python (the root's, else this checkout's), else
+    the one running the check."""
+    for base in (root, PROJECT):
+        py = base / ".venv" / "bin" / "python"
+        if py.exists():
+            return str(py)
+    return sys.executable
+
+
+def run_env(home: Path) -> dict[str, str]:
+    """A documented command's whole environment: nothing of the caller's
+    (no VLLM_REPO, cache or pinned files) but PATH."""
+    return {
+        "PATH": os.environ.get("PATH", os.defpath),
+        "HOME": str(home),  # so the tool's cache, ~/.cache/vllm-patches, is empty
+        "LANG": "C.UTF-8",
+        "COLUMNS": "80",  # argparse's usage lines
+        "NO_COLOR": "1",
+        "PYTHONUNBUFFERED": "1",  # stdout and stderr in order, as on a terminal
+        "PYTHONDONTWRITEBYTECODE": "1",
+        "VLLM_PATCHES_OFFLINE": "1",  # no git remote
+        "PIP_NO_INDEX": "1",  # no package index: a release download fails at once
+        "GIT_CONFIG_NOSYSTEM": "1",
+    }
+
+
+def normalize(text: str, paths: dict[Path, str]) -> list[str]:
+    """The output's lines, each of `paths` written as the docs write it
+    (the home as ~, the working directory and the project as .), trailing
+    blanks dropped: nothing else is normalized."""
+    for path, short in sorted(paths.items(), key=lambda kv: -len(str(kv[0]))):
+        text = re.sub(re.escape(str(path)) + r"(?![\w.-])", short, text)
+    return [ln.rstrip() for ln in text.splitlines()]
+
+
+def run_one(args: list[str], root: Path, top: set[str]) -> tuple[int | None, list[str]]:
+    """`python apply.py ARGS` with an empty home, from a directory of links
+    to the project's top-level files (a checkout's ./vllm, build/ or dist/
+    are not there): the exit code (None past RUN_TIMEOUT) and the output."""
+    with tempfile.TemporaryDirectory(prefix="docs-run-") as t:
+        home, work = Path(t).resolve() / "home", Path(t).resolve() / "work"
+        home.mkdir()
+        work.mkdir()
+        for name in top:
+            (work / name).symlink_to(root / name)
+        tilde = [str(home) + a[1:] if a == "~" or a[:2] == "~/" else a for a in args]
+        with subprocess.Popen(
+            [interpreter(root), "apply.py", *tilde],
+            cwd=work,
+            env=run_env(home),
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        ) as p:
+            try:
+                out, _ = p.communicate(timeout=RUN_TIMEOUT)
+            except subprocess.TimeoutExpired:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.communicate()
+                return None, []
+        got = normalize(out.decode(errors="replace"), {home: "~", work: ".", root: "."})
+        return p.returncode, got
+
+
+def compare(run: Run, code: int | None, got: list[str], probs: Problems) -> None:
+    """One line per difference from the docs: the exit code, then the
+    first shown line that differs."""
+    ran = f"ran '{run.cmd}'"
+    if code is None:
+        msg = f"{ran}: still running after {RUN_TIMEOUT} s (docs-run must be quick)"
+        probs.add(run.doc, run.line, msg)
+        return
+    if code != run.exit:
+        probs.add(run.doc, run.line, f"{ran}: exit {code} (docs: {run.exit})")
+    for k, (n, want) in enumerate(run.shown):
+        which = "first line" if k == 0 else f"line {k + 1}"
+        if k >= len(got):
+            probs.add(run.doc, n, f"{ran}: no {which}, the output ends (docs: '{want}')")
+            return
+        if got[k] != want:
+            probs.add(run.doc, n, f"{ran}: {which} '{got[k]}' (docs: '{want}')")
+            return
+
+
+def check_runs(docs: list[Doc], root: Path, probs: Problems) -> int:
+    """Run every docs-run command (side by side) and compare."""
+    todo: list[tuple[Run, list[str]]] = []
+    for doc in docs:
+        for run in runs(doc, probs):
+            args = run_args(run.cmd)
+            if args is None:
+                probs.add(
+                    doc,
+                    run.line,
+                    f"docs-run: '{run.cmd}' is not `python apply.py ARGS` alone "
+                    "(no pipe, redirection or variable)",
+                )
+            else:
+                todo.append((run, args))
+    top = top_level(root)
+    with ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 1)) as pool:
+        done = list(pool.map(lambda t: run_one(t[1], root, top), todo))
+    for (run, _), (code, got) in zip(todo, done, strict=True):
+        compare(run, code, got, probs)
+    return len(todo)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
         description="Check that README.md and docs/*.md agree with the code."
@@ -512,6 +714,7 @@ def main(argv: list[str] | None = None) -> int:
     except (UserError, OSError) as e:
         probs.add("series", None, str(e))
         spec = rows = 0
+    ran = check_runs(docs, root, probs)
     for p in probs:
         print(p)
     if probs:
@@ -521,7 +724,8 @@ def main(argv: list[str] | None = None) -> int:
         f"{opts} options documented, "
         f"{paths} paths and {links} links exist, the spec's {spec} directives, "
         f"keys and trailers are the parser's, {rows} patches' README rows "
-        "match their Upstream-Status: ok"
+        f"match their Upstream-Status, {ran} documented commands exit and "
+        "print as shown: ok"
     )
     return 0
 

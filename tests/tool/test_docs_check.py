@@ -2,13 +2,16 @@
 
 It passes on the project as it is; on a copy of the project with a broken
 command, a missing path, a broken link, a spec table that drifted from the
-parser or a README row that contradicts a patch header, it fails with one
-line per problem naming the file and line (each planted problem, and only
-those, is new against a run on the unplanted copy).
+parser, a README row that contradicts a patch header, or a documented
+command (a `console docs-run` block) whose exit code or first output lines
+the tool no longer gives, it fails with one line per problem naming the file
+and line (each planted problem, and only those, is new against a run on the
+unplanted copy).
 """
 
 from __future__ import annotations
 
+import re
 import shutil
 import subprocess
 import sys
@@ -61,6 +64,9 @@ def test_real_docs_pass() -> None:
     assert lines_of(p) == [lines_of(p)[0]]
     assert lines_of(p)[0].startswith("docs check: ")
     assert lines_of(p)[0].endswith(": ok")
+    ran = re.search(r", (\d+) documented commands exit and print as shown: ok$",
+                    lines_of(p)[0])
+    assert ran and int(ran.group(1)) >= 8, lines_of(p)
 
 
 def test_copy_passes(project: Path) -> None:
@@ -170,11 +176,86 @@ def test_option_missing_from_the_docs(project: Path) -> None:
     assert p.returncode == 1, p.stdout + p.stderr
     new = [ln for ln in lines_of(p) if ln not in before]
     line = text[:at].count("\n") + 1
+    main_job = text[: text.index("### The main job")].count("\n") + 1
     assert sorted(new) == sorted([
-        "docs/commands.md:33: the main job: --frobnicate is not documented",
+        f"docs/commands.md:{main_job}: the main job: --frobnicate is not documented",
         f"docs/commands.md:{line}: apply.py export: --onto is not documented",
         "docs/commands.md: no section for `apply.py mutants` (a heading naming it)",
         f"docs/commands.md:{line + 3}: 'python apply.py export tq-v0.33/0003 --repo "
         "~/src/vllm --onward origin/main --run-tests' does not parse: apply.py: "
         "error: unrecognized arguments: --onward origin/main",
     ]), new
+
+
+
+RUN_BLOCK = """
+```console docs-run
+$ python apply.py rebase --abort       # exit 1: planted, it is 2
+apply.py: error: no rebase in progress
+$ python apply.py mutants tq/0999      # exit 2
+apply.py: error: no such patch
+$ python apply.py rebase --continue    # exit 2
+apply.py: error: no rebase in progress
+a line it does not print
+$ python apply.py --base v1.0 \\
+    --no-tests                         # exit 2
+apply.py: error: --base v1.0: not a release (releases are vX.Y.Z, e.g. v0.33.0) \
+nor a revision of a --repo
+...
+not compared
+```
+"""
+
+
+def test_stale_documented_output(project: Path) -> None:
+    """A docs-run command's exit code and first output lines are the tool's:
+    a wrong `# exit N`, a stale first line, a line more than the tool
+    prints are one line each, at the doc's line; a matching command
+    (continued over two lines), a `...` and what follows it pass."""
+    before = lines_of(run_check(project))
+    doc = project / "docs" / "commands.md"
+    n = len(doc.read_text().splitlines())
+    with doc.open("a") as f:
+        f.write(RUN_BLOCK)  # the fence is line n + 2
+    out = planted(project, before)
+    assert len(out) == 3, out
+    assert out[0] == (
+        f"docs/commands.md:{n + 3}: ran 'python apply.py rebase --abort': "
+        "exit 2 (docs: 1)"
+    )
+    assert out[1].startswith(
+        f"docs/commands.md:{n + 6}: ran 'python apply.py mutants tq/0999': "
+        "first line 'apply.py: error: 'tq/0999': "
+    ), out
+    assert out[1].endswith(" (docs: 'apply.py: error: no such patch')"), out
+    assert out[2] == (
+        f"docs/commands.md:{n + 9}: ran 'python apply.py rebase --continue': "
+        "no line 2, the output ends (docs: 'a line it does not print')"
+    )
+
+
+def test_real_documented_output_changed(project: Path) -> None:
+    """The docs' own docs-run blocks run: a stale first line planted in
+    commands.md's bad-input example, and a wrong exit code at its `check`
+    example, are caught."""
+    before = lines_of(run_check(project))
+    doc = project / "docs" / "commands.md"
+    lines = doc.read_text().splitlines()
+    at = next(i for i, ln in enumerate(lines)
+              if ln.startswith("$ python apply.py --base v1.0 "))
+    now = lines[at + 1]
+    assert now.startswith("apply.py: error: --base v1.0: not a release"), now
+    lines[at + 1] = "apply.py: error: --base v1.0: a stale message"
+    chk = next(i for i, ln in enumerate(lines)
+               if ln.split("#")[0].split() == ["$", "python", "apply.py", "check"])
+    lines[chk] = "$ python apply.py check          # exit 1"
+    doc.write_text("\n".join(lines) + "\n")
+    out = planted(project, before)
+    assert sorted(out) == sorted([
+        (
+            f"docs/commands.md:{at + 2}: ran 'python apply.py --base v1.0': "
+            f"first line '{now}' (docs: 'apply.py: error: --base v1.0: a stale "
+            "message')"
+        ),
+        f"docs/commands.md:{chk + 1}: ran 'python apply.py check': exit 0 (docs: 1)",
+    ]), out
