@@ -23,6 +23,7 @@ from .mutants import add_mutants_command
 from .rebase import add_rebase_command
 from .runner import cmd_apply
 from .status import add_status_command
+from .upstreamsuite import add_upstream_command
 
 FMT = argparse.RawDescriptionHelpFormatter
 
@@ -51,6 +52,7 @@ def parser() -> argparse.ArgumentParser:
     add_status_command(sub)
     add_deliver_commands(sub)
     add_mutants_command(sub)
+    add_upstream_command(sub)
     for sp in sub.choices.values():
         common(sp, "series")
     return p

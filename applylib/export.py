@@ -47,6 +47,7 @@ from .series import (
     pick_patch,
 )
 from .testrun import test_python
+from .upstreamsuite import diff_files
 from .upstreamtest import before_and_with, fail_without_fix
 from .wheelbuild import cmd_wheel
 
@@ -162,6 +163,7 @@ def cmd_export(args: argparse.Namespace) -> int:
         base=base,
         needs=pr.needs,
         placed=pr.tests.placed,
+        update=pr.tests.update,
         body_file=body_file,
         patch_file=patch_file,
     )
@@ -246,6 +248,7 @@ def make_pr_commit(
     dest = args.test_dir or vllm_test_dir(wt, am_commit, job.patch)
     check_safe_relpath(dest, "--test-dir")
     tests = place_tests(job, wt, am_commit, dest)
+    tests.update = carry_test_update(job, wt)
     pr = PrCommit("", parent, wt, "", [], tests, needs)
     ids = tests.node_ids(job.patch)
     if args.run_tests:
@@ -439,6 +442,7 @@ class PlacedTests:
     placed: list[tuple[str, str, list[str]]]  # (vLLM path, series path, done)
     renamed: dict[str, str]  # series test file -> vLLM path
     renames: dict[str, str]  # series paths (tests, helpers) -> vLLM tree paths
+    update: str = ""  # what became of the patch's update of vLLM's own tests
 
     def node_ids(self, patch: Patch) -> list[str]:
         """The patch's regression test ids, at their vLLM paths."""
@@ -481,6 +485,26 @@ def place_tests(job: ExportJob, wt: Path, am_commit: str, dest: str) -> PlacedTe
         tests.placed.append((f"{dest}/{name}", f, done))
         tests.renamed[f] = tests.renames[f] = f"{dest}/{name}"
     return tests
+
+
+def carry_test_update(job: ExportJob, wt: Path) -> str:
+    """The patch's update of vLLM's own tests (tests/upstream/<stack>/
+    <patch>.diff) applied to the PR's tree and staged, where that tree has
+    vLLM's tests; what became of it, or "" when the patch has none."""
+    rel = Path("tests") / "upstream" / Path(job.entry).with_suffix(".diff")
+    diff = job.series.root / rel
+    if not diff.is_file():
+        return ""
+    if not all((wt / f).is_file() for f in diff_files([diff])):
+        return (
+            f"{rel} not carried: this base has not the vLLM tests it updates "
+            "(a release's wheel has no tests/); export in a vLLM clone to carry it"
+        )
+    p = git("apply", "--index", str(diff), cwd=wt, check=False)
+    if p.returncode != 0:
+        err = p.stderr.decode(errors="replace").strip().splitlines()
+        raise UserError(f"{rel} does not apply to vLLM's tests here: {err[:1]}")
+    return f"{rel} applied (vLLM's tests this change updates)"
 
 
 def copy_helper(h: Path, src: Path, wt: Path, dest: str) -> list[str]:
@@ -553,6 +577,7 @@ class Exported:
     base: Base
     needs: list[Patch]
     placed: list[tuple[str, str, list[str]]]
+    update: str
     body_file: Path
     patch_file: Path
 
@@ -610,6 +635,8 @@ def report_export(
         )
     for dst, src, done in ex.placed:
         print(f"  test: {dst} (from {src}; " + ("; ".join(done) or "unchanged") + ")")
+    if ex.update:
+        print(f"  upstream tests: {ex.update}")
     if dropped:
         print(
             f"  left out of the PR message (about the series only): "

@@ -18,7 +18,7 @@ from .series import Patch
 SERIES_WORDS = re.compile(
     r"(?<![\w/.-])(?:ci|docs|patches|tests/patches)/"
     r"|\b(?:previous|next|earlier|later) patch(?:es)?\b"
-    r"|\b(?:the|this) series\b|\bvllm-patches\b"
+    r"|\b(?:the|this) series\b|\bvllm-patches\b|\bapply\.py\b"
     r"|\b(?:tq|tq-v0\.33|dsv4)/\d{4}\b",
     re.IGNORECASE,
 )
@@ -393,8 +393,8 @@ def pr_message(
             ""
             if own.result
             else (
-                "Not run by `apply.py export` (give --run-tests, or paste the Test "
-                "Plan's output before and after this change)."
+                "Not run yet: paste the Test Plan's output before and after this "
+                "change (export --run-tests fills it in)."
             )
         )
     pr_body = template_body(own, links, plan, result)

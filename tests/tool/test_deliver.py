@@ -520,7 +520,7 @@ def test_export_pr_branch(dx: Fixture) -> None:
                           "## Test Plan\n")
     assert "pytest -v tests/v1/attention/test_tq.py::test_threshold_regression" \
         in msg
-    assert "## Test Result\n\nNot run by `apply.py export`" in msg
+    assert "## Test Result\n\nNot run yet: paste the Test Plan's output" in msg
     assert "Upstream-Status" not in msg and "Tests:" not in msg
     assert "Bug:" not in msg
     assert msg.rstrip().endswith("\nSigned-off-by: Jane Dev <jane@example.com>")

@@ -1,0 +1,257 @@
+"""apply.py upstream: vLLM's own tests of the modules a stack changes, on
+its base and on the patched tree, as vLLM's CI would run them (plain
+pytest in vLLM's tree, vLLM's conftest). A test that passes on the base
+and not patched is a regression the stack's PRs would bring upstream,
+unless the patch carries that test's update: tests/upstream/<stack>/
+<patch>.diff, applied to the patched tree's tests/ (and by export to the
+PR in a vLLM clone).
+
+The tests come from the base's own tree when it has them (a vLLM clone),
+else from the release's sdist (applylib.sdist)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shutil
+import subprocess
+import tempfile
+from collections import Counter
+from pathlib import Path
+
+from .bases import BaseUnavailable, find_user_repo, resolve_base, worktree
+from .core import UserError, command, common, git
+from .pinned import fetched_dir
+from .runner import PatchResult, apply_stack
+from .sdist import release_tests
+from .series import Stack, load_patch, parse_series
+from .testrun import test_python, tree_env
+from .upstreamtest import OUTCOME
+from .wheelbuild import stack_release
+
+# A module more of vLLM's test files import than this (arg_utils,
+# platforms) is left to vLLM's CI: its suites are too wide for this check.
+MAX_IMPORTERS = 10
+BAD = ("failed", "error")
+# A CPU-only host, the same for both trees: Triton kernels run in Triton's
+# interpreter (vLLM turns Triton off without a GPU driver otherwise), and
+# vLLM's conftest's emptying of the accelerator's caches after each test,
+# which raises where there is none, does nothing.
+CPU_HOST_PLUGIN = """\
+import os
+
+import torch
+
+if not torch.accelerator.is_available():
+    os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+    torch.accelerator.empty_cache = lambda: None
+    torch.accelerator.empty_host_cache = lambda: None
+"""
+
+
+def upstream_diffs(root: Path, stack: Stack) -> list[Path]:
+    """The stack's patches' updates of vLLM's tests, in series order."""
+    return [
+        d
+        for p in stack.patches
+        if (d := root / "tests" / "upstream" / Path(p).with_suffix(".diff")).is_file()
+    ]
+
+
+def touched_modules(files: list[str]) -> list[str]:
+    """The dotted names of the vLLM modules among `files`."""
+    return sorted(
+        {
+            f[:-3].replace("/", ".")
+            for f in files
+            if f.startswith("vllm/") and f.endswith(".py")
+        }
+    )
+
+
+def importers(tests: Path, module: str) -> list[str]:
+    """vLLM's test files (tests/...test_*.py) that import `module`."""
+    pkg, _, stem = module.rpartition(".")
+    pat = re.compile(
+        rf"{re.escape(module)}\b|from {re.escape(pkg)} import [^\n]*\b{stem}\b"
+    )
+    return sorted(
+        "tests/" + f.relative_to(tests).as_posix()
+        for f in tests.rglob("test_*.py")
+        if pat.search(f.read_text(errors="replace"))
+    )
+
+
+def suite_files(tests: Path, modules: list[str]) -> tuple[list[str], list[str]]:
+    """The test files to run, and a note per module left out."""
+    files: set[str] = set()
+    notes = []
+    for m in modules:
+        found = importers(tests, m)
+        if len(found) > MAX_IMPORTERS:
+            notes.append(f"{m}: imported by {len(found)} test files, left to vLLM CI")
+        else:
+            files.update(found)
+    return sorted(files), notes
+
+
+def outcomes(tree: Path, files: list[str], python: str) -> dict[str, str]:
+    """Each test's outcome under plain pytest in `tree` (the worst reported:
+    a pass with an error at teardown is an error)."""
+    if not files:
+        return {}
+    with tempfile.TemporaryDirectory(prefix="vllm-patches-upstream-") as scratch:
+        (Path(scratch) / "vllm_patches_cpu_host.py").write_text(CPU_HOST_PLUGIN)
+        env = dict(os.environ, **tree_env(tree, Path(scratch)))
+        env["PYTHONPATH"] += os.pathsep + scratch
+        for own in ("VLLM_TREE", "VLLM_PATCHES_TREE_ENV"):
+            env.pop(own, None)
+        cmd = [python, "-m", "pytest", "-q", "-rA", "-p", "no:cacheprovider"]
+        cmd += ["--continue-on-collection-errors"]
+        cmd += ["-p", "vllm_patches_cpu_host", *files]
+        p = subprocess.run(
+            cmd, cwd=tree, env=env, capture_output=True, text=True, check=False
+        )
+    rank = {"passed": 0, "xfail": 0, "xpass": 1, "failed": 2, "error": 3}
+    seen: dict[str, str] = {}
+    for line in p.stdout.splitlines():
+        m = OUTCOME.match(line)
+        if m:
+            got, old = m.group(1).lower(), seen.get(m.group(2))
+            if old is None or rank.get(got, 0) > rank.get(old, 0):
+                seen[m.group(2)] = got
+    if not seen and p.returncode not in (0, 5):
+        tail = (p.stdout + p.stderr).strip().splitlines()[-3:]
+        raise UserError(f"vLLM's tests did not run in {tree}: {' / '.join(tail)}")
+    return seen
+
+
+def tree_with_tests(tree: Path, tests: Path, diffs: list[Path]) -> None:
+    """vLLM's tests/ put into the worktree `tree` (untracked) where it has
+    none, then the patches' test updates applied."""
+    if not (tree / "tests").is_dir():
+        shutil.copytree(tests, tree / "tests")
+    for d in diffs:
+        p = git("apply", str(d), cwd=tree, check=False)
+        if p.returncode != 0:
+            err = p.stderr.decode(errors="replace").strip().splitlines()
+            raise UserError(f"{d}: does not apply to vLLM's tests: {err[:1]}")
+
+
+def regressions(
+    was: dict[str, str], now: dict[str, str], updated: set[str]
+) -> tuple[list[str], list[str]]:
+    """The tests that passed on the base and do not with the stack, and
+    those the patches' test updates renamed or removed (in a file they
+    change, not run patched)."""
+    gone = [t for t, o in was.items() if o == "passed" and t not in now]
+    moved = [t for t in gone if t.split("::", 1)[0] in updated]
+    bad = [
+        t
+        for t, o in was.items()
+        if o == "passed" and now.get(t, "not run") != "passed" and t not in moved
+    ]
+    return bad, moved
+
+
+def diff_files(diffs: list[Path]) -> set[str]:
+    """The files the test updates change."""
+    out: set[str] = set()
+    for d in diffs:
+        out.update(re.findall(r"^\+\+\+ b/(\S+)$", d.read_text(), re.MULTILINE))
+    return out
+
+
+def summary(outs: dict[str, str]) -> str:
+    counts = Counter(outs.values())
+    return ", ".join(f"{n} {o}" for o, n in sorted(counts.items())) or "none"
+
+
+def check_stack(args: argparse.Namespace, root: Path, stack: Stack) -> int:
+    """One stack: its base and patched trees with vLLM's tests, compared."""
+    user_repo = find_user_repo(args.repo)
+    try:
+        base = resolve_base(
+            stack, args.base, user_repo, args.offline, fetched_dir(args)
+        )
+    except BaseUnavailable as e:
+        raise UserError(f"base unavailable: {e.reason} (to get it: {e.hint})") from None
+    patches = [load_patch(args.series_obj, e) for e in stack.patches]
+    was_wt = worktree(base.repo, f"{stack.name}-upstream-base", base.commit)
+    now_wt = worktree(base.repo, f"{stack.name}-upstream-patched", base.commit)
+    results = {p.file: PatchResult(p.file) for p in patches}
+    left = apply_stack(now_wt, patches, results)
+    if (was_wt / "tests").is_dir():
+        tests, where = was_wt / "tests", f"the tests of {base.rev} in {base.repo}"
+    else:
+        release = stack_release(stack, args.base, base)
+        if release is None:
+            print(f"{stack.name}: {base.rev} is no release and has no tests/: skipped")
+            return 0
+        tests, where = release_tests(release), f"vllm {release}'s sdist"
+    modules = touched_modules([f for p in patches for f in p.files])
+    files, notes = suite_files(tests, modules)
+    diffs = upstream_diffs(root, stack)
+    tree_with_tests(was_wt, tests, [])
+    tree_with_tests(now_wt, tests, diffs)
+    python = test_python(args.python)
+    was, now = outcomes(was_wt, files, python), outcomes(now_wt, files, python)
+    print(f"{stack.name}: vLLM's tests of the modules its patches change ({where})")
+    for n in notes:
+        print(f"  not run: {n}")
+    for f in files:
+        print(f"  {f}")
+    if left:
+        print(f"  not applied: {', '.join(p.file for p in left)}")
+    for d in diffs:
+        print(f"  with the update {d.relative_to(root)}")
+    return report(was, now, diff_files(diffs))
+
+
+def report(was: dict[str, str], now: dict[str, str], updated: set[str]) -> int:
+    """What changed between the base and the patched tree; 1 when a test
+    the base passes does not pass patched."""
+    print(f"  base: {summary(was)}")
+    print(f"  patched: {summary(now)}")
+    bad, moved = regressions(was, now, updated)
+    for t in moved:
+        print(f"  updated {t}: renamed or removed by the update")
+    for t in bad:
+        print(f"  REGRESSION {t}: passed on the base, {now.get(t, 'not run')} patched")
+    fixed = [t for t, o in now.items() if o == "passed" and was.get(t) in BAD]
+    for t in fixed:
+        print(f"  fixed {t}: {was[t]} on the base, passed patched")
+    return 1 if bad else 0
+
+
+def cmd_upstream(args: argparse.Namespace) -> int:
+    """apply.py upstream [STACK...]: exit 1 when a stack breaks a vLLM test."""
+    series = parse_series(Path(args.series))
+    args.series_obj = series
+    names = args.stacks or [s.name for s in series.stacks]
+    unknown = [n for n in names if n not in {s.name for s in series.stacks}]
+    if unknown:
+        raise UserError(f"no stack named {', '.join(unknown)} in {args.series}")
+    rc = 0
+    for stack in (s for s in series.stacks if s.name in names):
+        rc = max(rc, check_stack(args, series.root, stack))
+    return rc
+
+
+def add_upstream_command(sub: argparse._SubParsersAction) -> None:
+    u = command(
+        sub,
+        "upstream",
+        cmd_upstream,
+        help="run vLLM's own tests of the modules a stack changes, base and patched",
+        description="Run vLLM's own test files that import a module the "
+        "stack's patches change (from the base's tests/, else the release's "
+        "sdist), on the base and on the patched tree with the patches' test "
+        "updates (tests/upstream/<stack>/<patch>.diff); exit 1 when a test "
+        "that passes on the base does not pass patched.",
+        epilog="example:\n  python apply.py upstream tq-v0.33",
+    )
+    u.add_argument("stacks", nargs="*", help="stack names (default: all)")
+    common(u, "base", "repo", "python", "offline", "fetched")

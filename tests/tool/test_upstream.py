@@ -1,0 +1,130 @@
+"""apply.py upstream: vLLM's own tests of the modules a stack changes, on the
+base and patched; a test the base passes and the stack breaks is exit 1
+unless the patch carries its update (tests/upstream/<stack>/<patch>.diff).
+The tests come from the clone's tests/ or, for a release base, its sdist."""
+
+from __future__ import annotations
+
+import io
+import os
+import tarfile
+from pathlib import Path
+
+import pytest
+from conftest import MOD_V1, MOD_V11, Fixture, git, make_upstream, standard_stack
+
+# vLLM's own test of vllm/mod.py: it pins scale()'s old behaviour, which
+# fx/0002 changes on purpose; threshold() no patch touches.
+UPSTREAM_TEST = """\
+from vllm import mod
+
+
+def test_scale():
+    assert mod.scale(2) == 4
+
+
+def test_threshold():
+    assert mod.threshold() == 128
+"""
+UPDATE = """\
+diff --git a/tests/test_mod.py b/tests/test_mod.py
+--- a/tests/test_mod.py
++++ b/tests/test_mod.py
+@@ -2,7 +2,7 @@ from vllm import mod
+ 
+ 
+-def test_scale():
+-    assert mod.scale(2) == 4
++def test_scale_is_identity():
++    assert mod.scale(2) == 2
+ 
+ 
+ def test_threshold():
+"""
+
+
+@pytest.fixture
+def ux(tmp_path: Path, fx: Fixture) -> Fixture:
+    """The standard stack on an upstream whose v1.0.0 has vLLM's tests/."""
+    files = {"vllm/__init__.py": "", "vllm/mod.py": MOD_V1,
+             "tests/test_mod.py": UPSTREAM_TEST}
+    fx.upstream = make_upstream(tmp_path / "upstream-with-tests", files, MOD_V11)
+    standard_stack(fx)
+    return fx
+
+
+def test_upstream_test_broken_unless_the_patch_updates_it(ux: Fixture) -> None:
+    p = ux.run("upstream", "fx", "--repo", str(ux.upstream))
+    assert p.returncode == 1, p.stdout + p.stderr
+    assert "fx: vLLM's tests of the modules its patches change (the tests of " \
+        "v1.0.0 in" in p.stdout
+    assert "  tests/test_mod.py\n" in p.stdout
+    assert "  REGRESSION tests/test_mod.py::test_scale: passed on the base, " \
+        "failed patched\n" in p.stdout
+    assert "test_threshold" not in p.stdout  # passes on both
+    update = ux.project / "tests" / "upstream" / "fx" / "0002-fix-scale.diff"
+    update.parent.mkdir(parents=True)
+    update.write_text(UPDATE)
+    p = ux.run("upstream", "fx", "--repo", str(ux.upstream))
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert "  with the update tests/upstream/fx/0002-fix-scale.diff\n" \
+        "  base: 2 passed\n  patched: 2 passed\n" \
+        "  updated tests/test_mod.py::test_scale: renamed or removed by the " \
+        "update\n" in p.stdout
+    # export carries the update in the PR, where the tree has vLLM's tests
+    p = ux.run("export", "0002", "--repo", str(ux.upstream))
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert "  upstream tests: tests/upstream/fx/0002-fix-scale.diff applied" \
+        in p.stdout
+    ref = "refs/heads/patched/pr/fx-0002-fix-scale"
+    assert "tests/test_mod.py" in git("diff", "--name-only", f"{ref}^", ref,
+                                      cwd=ux.upstream).split()
+    # an update that does not apply to vLLM's tests is bad input
+    update.write_text(UPDATE.replace("== 4", "== 5"))
+    p = ux.run("upstream", "fx", "--repo", str(ux.upstream))
+    assert p.returncode == 2 and "does not apply to vLLM's tests" in p.stderr
+    p = ux.run("upstream", "nope", "--repo", str(ux.upstream))
+    assert p.returncode == 2 and "no stack named nope" in p.stderr
+
+
+def sdist(folder: Path, version: str, files: dict[str, str]) -> Path:
+    """A stand-in vllm-VERSION.tar.gz holding `files` under its top folder."""
+    folder.mkdir(parents=True, exist_ok=True)
+    out = folder / f"vllm-{version}.tar.gz"
+    with tarfile.open(out, "w:gz") as tar:
+        for rel, text in files.items():
+            data = text.encode()
+            info = tarfile.TarInfo(f"vllm-{version}/{rel}")
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    return out
+
+
+def test_release_tests_from_the_sdist(tmp_path: Path,
+                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """A release's tests/ come from its sdist on the index (a find-links
+    folder here, or a simple page whose sha256 must match), once: the
+    cache serves them after; no sdist is a base that cannot be had."""
+    from applylib import sdist as sd
+    from applylib.bases import BaseUnavailable
+
+    monkeypatch.setenv("VLLM_PATCHES_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("PIP_NO_INDEX", "1")
+    archive = sdist(tmp_path / "links", "9.9.9", {
+        "tests/test_x.py": "def test_x():\n    pass\n",
+        "vllm/__init__.py": "", "../evil.py": "no"})
+    monkeypatch.setenv("PIP_FIND_LINKS", str(archive.parent))
+    tests = sd.release_tests("9.9.9")
+    assert sorted(p.name for p in tests.rglob("*")) == ["test_x.py"]
+    archive.unlink()
+    assert sd.release_tests("9.9.9") == tests  # cached
+    page = tmp_path / "simple" / "index.html"
+    page.parent.mkdir()
+    other = sdist(tmp_path / "files", "9.9.8", {"tests/test_y.py": ""})
+    page.write_text(f'<a href="{other.as_uri()}#sha256={"0" * 64}">x</a>')
+    monkeypatch.setenv("PIP_FIND_LINKS", str(page))
+    with pytest.raises(BaseUnavailable, match="sha256 differs"):
+        sd.release_tests("9.9.8")
+    monkeypatch.setenv("PIP_FIND_LINKS", os.devnull)
+    with pytest.raises(BaseUnavailable, match="source distribution is not"):
+        sd.release_tests("9.9.7")
