@@ -25,7 +25,7 @@ from .core import UserError, command, common, git
 from .pinned import fetched_dir
 from .runner import PatchResult, apply_stack
 from .sdist import release_tests
-from .series import Stack, load_patch, parse_series
+from .series import Patch, Stack, load_patch, parse_series
 from .testrun import test_python, tree_env
 from .upstreamtest import OUTCOME
 from .wheelbuild import stack_release
@@ -34,12 +34,16 @@ from .wheelbuild import stack_release
 # platforms) is left to vLLM's CI: its suites are too wide for this check.
 MAX_IMPORTERS = 10
 BAD = ("failed", "error")
-# A CPU-only host, the same for both trees: Triton kernels run in Triton's
-# interpreter (vLLM turns Triton off without a GPU driver otherwise), and
-# vLLM's conftest's emptying of the accelerator's caches after each test,
-# which raises where there is none, does nothing.
-CPU_HOST_PLUGIN = """\
+# The host, the same for both trees. CPU-only: Triton kernels run in
+# Triton's interpreter (vLLM turns Triton off without a GPU driver
+# otherwise), and vLLM's conftest's emptying of the accelerator's caches
+# after each test, which raises where there is none, does nothing. A GPU
+# with a source tree (no compiled extensions to load): vLLM's CpuPlatform
+# stands in as the platform, the tensors and Triton kernels on the GPU.
+HOST_PLUGIN = """\
+import importlib.util
 import os
+from pathlib import Path
 
 import torch
 
@@ -48,6 +52,11 @@ if not torch.accelerator.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
     torch.accelerator.empty_cache = lambda: None
     torch.accelerator.empty_host_cache = lambda: None
+elif not list(Path(importlib.util.find_spec("vllm").origin).parent.glob("_C*.so")):
+    from vllm import platforms
+    from vllm.platforms.cpu import CpuPlatform
+
+    platforms._current_platform = CpuPlatform()
 """
 
 
@@ -103,14 +112,14 @@ def outcomes(tree: Path, files: list[str], python: str) -> dict[str, str]:
     if not files:
         return {}
     with tempfile.TemporaryDirectory(prefix="vllm-patches-upstream-") as scratch:
-        (Path(scratch) / "vllm_patches_cpu_host.py").write_text(CPU_HOST_PLUGIN)
+        (Path(scratch) / "vllm_patches_host.py").write_text(HOST_PLUGIN)
         env = dict(os.environ, **tree_env(tree, Path(scratch)))
         env["PYTHONPATH"] += os.pathsep + scratch
         for own in ("VLLM_TREE", "VLLM_PATCHES_TREE_ENV"):
             env.pop(own, None)
         cmd = [python, "-m", "pytest", "-q", "-rA", "-p", "no:cacheprovider"]
         cmd += ["--continue-on-collection-errors"]
-        cmd += ["-p", "vllm_patches_cpu_host", *files]
+        cmd += ["-p", "vllm_patches_host", *files]
         p = subprocess.run(
             cmd, cwd=tree, env=env, capture_output=True, text=True, check=False
         )
@@ -191,22 +200,38 @@ def check_stack(args: argparse.Namespace, root: Path, stack: Stack) -> int:
             print(f"{stack.name}: {base.rev} is no release and has no tests/: skipped")
             return 0
         tests, where = release_tests(release), f"vllm {release}'s sdist"
+    print(f"{stack.name}: vLLM's tests of the modules its patches change ({where})")
+    if left:
+        print(f"  not applied: {', '.join(p.file for p in left)}")
+    return compare_trees(
+        root, stack, patches, (was_wt, now_wt), tests, test_python(args.python)
+    )
+
+
+def compare_trees(
+    root: Path,
+    stack: Stack,
+    patches: list[Patch],
+    trees: tuple[Path, Path],
+    tests: Path,
+    python: str,
+) -> int:
+    """vLLM's tests of what `patches` change, run on the base tree and the
+    patched one (the patches' test updates applied there): the report's
+    lines, and 1 when a test the base passes does not pass patched. The GPU
+    rig calls this with its unpacked trees."""
     modules = touched_modules([f for p in patches for f in p.files])
     files, notes = suite_files(tests, modules)
     diffs = upstream_diffs(root, stack)
-    tree_with_tests(was_wt, tests, [])
-    tree_with_tests(now_wt, tests, diffs)
-    python = test_python(args.python)
-    was, now = outcomes(was_wt, files, python), outcomes(now_wt, files, python)
-    print(f"{stack.name}: vLLM's tests of the modules its patches change ({where})")
+    tree_with_tests(trees[0], tests, [])
+    tree_with_tests(trees[1], tests, diffs)
     for n in notes:
         print(f"  not run: {n}")
     for f in files:
         print(f"  {f}")
-    if left:
-        print(f"  not applied: {', '.join(p.file for p in left)}")
     for d in diffs:
         print(f"  with the update {d.relative_to(root)}")
+    was, now = outcomes(trees[0], files, python), outcomes(trees[1], files, python)
     return report(was, now, diff_files(diffs))
 
 
