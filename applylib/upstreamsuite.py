@@ -143,9 +143,13 @@ def tree_with_tests(tree: Path, tests: Path, diffs: list[Path]) -> None:
     if not (tree / "tests").is_dir():
         shutil.copytree(tests, tree / "tests")
     for d in diffs:
-        p = git("apply", str(d), cwd=tree, check=False)
+        if shutil.which("git"):
+            p = git("apply", str(d), cwd=tree, check=False)
+        else:  # a bare machine (the GPU rig's)
+            cmd = ["patch", "-p1", "-s", "--forward", "-i", str(d)]
+            p = subprocess.run(cmd, cwd=tree, capture_output=True, check=False)
         if p.returncode != 0:
-            err = p.stderr.decode(errors="replace").strip().splitlines()
+            err = (p.stderr or p.stdout).decode(errors="replace").strip().splitlines()
             raise UserError(f"{d}: does not apply to vLLM's tests: {err[:1]}")
 
 

@@ -53,22 +53,16 @@ def timed(cmd: list[str], cwd: Path, env: dict[str, str]) -> float:
     return dt
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--reps", type=int, default=15)
-    ap.add_argument("--json", default=str(ROOT / "build" / "bench_apply.json"))
-    args = ap.parse_args()
-
-    tmp = Path(tempfile.mkdtemp(prefix="bench-apply-"))
+def bench_series(tmp: Path) -> tuple[Path, Path, str, str, list[str]]:
+    """A series of five one-line patches on the v0.20.2 base: the project,
+    the scratch clone, the base (rev, commit) and the patch files."""
     proj = tmp / "proj"
     (proj / "patches" / "bench").mkdir(parents=True)
     (proj / "series").write_text("#@ stack bench tag=v0.20.2\n")
     line = sh(sys.executable, str(APPLY), "base", "--series", str(proj / "series"))
     rev, commit, repo = line.split()[:3]
-    repo = Path(repo.split("=", 1)[1])
-
     work = tmp / "work"
-    sh("git", "clone", "-q", "--no-checkout", str(repo), str(work))
+    sh("git", "clone", "-q", "--no-checkout", repo.split("=", 1)[1], str(work))
     sh("git", "checkout", "-q", "--detach", commit, cwd=work)
     names = []
     for i, f in enumerate(FILES, 1):
@@ -84,8 +78,16 @@ def main() -> None:
         names.append(name)
     (proj / "series").write_text("#@ stack bench tag=v0.20.2\n" +
                                  "".join(n + "\n" for n in names))
-    files = [str(proj / "patches" / n) for n in names]
+    return proj, work, rev, commit, [str(proj / "patches" / n) for n in names]
 
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--reps", type=int, default=15)
+    ap.add_argument("--json", default=str(ROOT / "build" / "bench_apply.json"))
+    args = ap.parse_args()
+    tmp = Path(tempfile.mkdtemp(prefix="bench-apply-"))
+    proj, work, rev, commit, files = bench_series(tmp)
     # A user's Python caches the tool's bytecode; an environment with
     # PYTHONDONTWRITEBYTECODE would recompile it on every run (about 40 ms
     # more), so the warm-up run below may write the cache.
@@ -105,8 +107,14 @@ def main() -> None:
         t0 = time.perf_counter()
         sh(*reset_cmd, cwd=work)
         runs["reset_am"].append(time.perf_counter() - t0 + timed(am_cmd, work, env))
+    report(runs, args, f"{rev} {commit}", len(files))
+
+
+def report(runs: dict[str, list[float]], args: argparse.Namespace, base: str,
+           n: int) -> None:
+    """The medians printed as a table, and everything in --json."""
     med = {k: statistics.median(v) for k, v in runs.items()}
-    res = {"reps": args.reps, "patches": len(files), "base": f"{rev} {commit}",
+    res = {"reps": args.reps, "patches": n, "base": base,
            "median_s": {k: round(v, 4) for k, v in med.items()},
            "ratio_vs_git_am": round(med["tool"] / med["am"], 3),
            "ratio_vs_checkout_and_git_am": round(med["tool"] / med["reset_am"], 3),

@@ -6,6 +6,7 @@ loop's register moves (IMAD.MOV / MOV) per tensor-core MMA (HMMA)."""
 
 from __future__ import annotations
 
+import argparse
 import collections
 import csv
 import sys
@@ -52,4 +53,6 @@ def main(path: str) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1]))
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("csv", help="ncu's source page as CSV")
+    sys.exit(main(ap.parse_args().csv))

@@ -20,21 +20,9 @@ already stored, as the runner does). Attention modes:
         vllm_flash_attn (tqlib.flash_attn_varlen_shim)
 
 Writes JSON (--out) and row samples of every output (--samples, a .pt file)
-for the cross-variant check done by summarize.py.
+for the cross-variant check done by summarize.py. --small: CPU shapes.
 
     python ci/gpu/tq_continuation_bench.py --tree T --variant c --out c.json
-
-Side by side on CPU (no flash-attn there): ``--vs BASE`` runs variant b on the
-unpatched tree BASE and c on --tree (and c on --vs-before, the patched tree
-before a change, if given), each in its own process, and prints one table.
-``--cpu`` takes the bench's heads at CPU-sized contexts; ``--stub-dequant``
-replaces the TurboQuant store and dequant kernels (Triton's interpreter on
-CPU, seconds per call, the same work in b and c) by a fill of the buffers
-they write, so the times are the attention paths'; the outputs are then
-meaningless.
-
-    python ci/gpu/tq_continuation_bench.py --tree PATCHED --vs V0330 \
-        --variant c --out /tmp/cpu --modes sdpa --cpu --stub-dequant
 """
 
 from __future__ import annotations
@@ -59,7 +47,6 @@ QLENS = (512, 4096)
 MNBT = 8192  # max_num_batched_tokens: the patched tile is round_up(8192, 128)
 MML = (131072, 1 << 20)  # max_model_len for the reserved-bytes figures
 PROFILE = ((32768, 4096), (131072, 4096), (131072, 512))
-STUBBED = False  # --stub-dequant
 CATEGORIES = {
     "dequant": ("tq_full_dequant",),
     "attention": ("flash", "fmha", "attention", "softmax"),
@@ -134,7 +121,7 @@ def floor_ms(preset: str, slot_bytes: int, cached: int, q: int, ceil: dict) -> d
 
 
 def parse_args() -> argparse.Namespace:
-    global HQ, HK, D, CACHED, QLENS, MNBT, MML, PROFILE, PRESETS
+    global HQ, HK, D, CACHED, QLENS, MNBT, MML, PROFILE
     ap = argparse.ArgumentParser()
     ap.add_argument("--tree", required=True)
     ap.add_argument("--variant", choices="abc", required=True)
@@ -145,88 +132,12 @@ def parse_args() -> argparse.Namespace:
         "--budget", type=float, default=0.8, help="timing seconds per shape"
     )
     ap.add_argument("--small", action="store_true", help="CPU sanity shapes")
-    ap.add_argument(
-        "--cpu", action="store_true", help="the bench's heads at CPU-sized contexts"
-    )
-    ap.add_argument(
-        "--stub-dequant",
-        action="store_true",
-        help="fill instead of the TurboQuant store/dequant kernels (times only)",
-    )
-    ap.add_argument("--vs", default="", help="unpatched tree: run b there, c here")
-    ap.add_argument("--vs-before", default="", help="and c on this tree too")
     args = ap.parse_args()
     if args.small:
         HQ, HK, D = 4, 1, 64
         CACHED, QLENS, MNBT = (600,), (130,), 256
         MML, PROFILE = (2048, 8192), ((600, 130),)
-    if args.cpu:
-        CACHED, QLENS, MNBT = (2048, 8192), (256, 1024), 1024
-        MML, PROFILE, PRESETS = (16384, 65536), (), PRESETS[:1]
     return args
-
-
-def stub_dequant(env) -> None:
-    """The TurboQuant store and dequant kernels become a fill of the K/V
-    buffers they write (their 4th and 5th arguments, or nothing for the
-    store): the attention paths' times without Triton's interpreter."""
-
-    class Fill:
-        def __getitem__(self, grid):
-            def launch(*args, **kwargs):
-                if len(args) > 4:
-                    args[3].fill_(0.0625)
-                    args[4].fill_(-0.0625)
-
-            return launch
-
-    for name in ("_tq_full_dequant_kv", "triton_turboquant_store"):
-        if hasattr(env.tqa, name):
-            setattr(env.tqa, name, Fill() if name[0] == "_" else lambda *a, **k: None)
-
-
-def side_by_side(args) -> int:
-    """b on --vs, c on --tree (and --vs-before), one process each; one
-    table of the median times."""
-    import subprocess
-
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    runs = [("b", args.vs, "unpatched (b)"), ("c", args.tree, "patched (c)")]
-    if args.vs_before:
-        runs.insert(1, ("c", args.vs_before, "before (c0)"))
-    flags = ["--modes", args.modes, "--budget", str(args.budget)]
-    flags += [
-        f
-        for f in ("--small", "--cpu", "--stub-dequant")
-        if getattr(args, f[2:].replace("-", "_"))
-    ]
-    times = []
-    for i, (variant, tree, label) in enumerate(runs):
-        path = out / f"{i}-{variant}.json"
-        cmd = [sys.executable, __file__, "--tree", tree, "--variant", variant]
-        subprocess.run(cmd + ["--out", str(path)] + flags, check=True)
-        rows = json.loads(path.read_text())["runs"]
-        times.append({(r["preset"], r["mode"], r["cached"], r["q"]): r for r in rows})
-    labels = [r[2] for r in runs]
-    print(
-        "| preset | mode | cached | q | "
-        + " | ".join(f"{x} ms" for x in labels)
-        + " | "
-        + " | ".join(f"{x[:-4]}/b" for x in labels[1:])
-        + " |"
-    )
-    print("|---" * (4 + 2 * len(labels) - 1) + "|")
-    for key in times[0]:
-        ms = [t.get(key, {}).get("time", {}).get("median_ms") for t in times]
-        cells = [f"{m:.2f}" if m else "-" for m in ms]
-        cells += [f"{m / ms[0]:.2f}" if m and ms[0] else "-" for m in ms[1:]]
-        print(
-            f"| {key[0][11:]} | {key[1]} | {key[2]} | {key[3]} | "
-            + " | ".join(cells)
-            + " |"
-        )
-    return 0
 
 
 def header(args, env, modes: list[str]) -> dict:
@@ -287,8 +198,7 @@ class Preset:
         g = torch.Generator(device=tqlib.DEVICE).manual_seed(2)
         self.k_all = tqlib.rand((seq_max, HK, D), DTYPE, g)
         self.v_all = tqlib.rand((seq_max, HK, D), DTYPE, g)
-        if not STUBBED:
-            self.paged.store(0, 0, self.k_all, self.v_all)
+        self.paged.store(0, 0, self.k_all, self.v_all)
         self.q_all = tqlib.rand((max(QLENS), HQ * D), DTYPE, g)
         tqlib.sync()
 
@@ -367,17 +277,11 @@ def run_shape(args, ctx: Preset, mode: str, cached: int, q: int, res, samples):
 
 
 def main() -> int:
-    global STUBBED
     args = parse_args()
-    if args.vs:
-        return side_by_side(args)
     t_start = time.time()
     env = tqlib.use_tree(args.tree)
     if args.small and hasattr(env.tqa, "_CONTINUATION_TILE_MIN"):
         env.tqa._CONTINUATION_TILE_MIN = env.tqa._CONTINUATION_TILE_MAX = 256
-    if args.stub_dequant:
-        stub_dequant(env)
-        STUBBED = True
     modes = args.modes.split(",")
     res = header(args, env, modes)
     impls, builders = build(env, args.variant, res)

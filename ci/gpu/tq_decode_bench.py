@@ -96,8 +96,6 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--deadline", type=float, default=0, help="seconds (420)")
     ap.add_argument("--small", action="store_true", help="CPU sanity shapes")
     ap.add_argument("--cells", help="BxL,... instead of all (e.g. 32x32768)")
-    ap.add_argument("--kernels", help="sweep points BLOCK_KV,warps,stages;...")
-    ap.add_argument("--ppsm", help="sweep's programs per SM, comma list")
     ap.add_argument("--presets", help="comma list, e.g. 4bit_nc,k3v4_nc")
     ap.add_argument("--verify", type=int, default=0, help="also time verification")
     ap.add_argument("--peer", help="vllm#53060's staged sources (peer_stage.sh)")
@@ -109,14 +107,8 @@ def parse_args() -> argparse.Namespace:
         BATCHES, LENS, REPS, CHECK_CACHED = (1, 2), (48, 160), 2, [40, 3, 130]
         SWEEP_CELLS, SWEEP_KERNELS, SWEEP_PPSM = ((2, 160),), ((16, 4, 1),), (4,)
         FLUSH_BYTES = 1 << 20
-    if args.kernels:
-        SWEEP_KERNELS = tuple(
-            tuple(int(x) for x in k.split(",")) for k in args.kernels.split(";")
-        )
     if args.presets:
         PRESETS = tuple(f"turboquant_{p}" for p in args.presets.split(","))
-    if args.ppsm:
-        SWEEP_PPSM = tuple(int(x) for x in args.ppsm.split(","))
     args.cells = [parse_cell(c) for c in args.cells.split(",")] if args.cells else None
     args.deadline = args.deadline or (1800 if args.small else 420)
     return args
@@ -590,6 +582,9 @@ def run_preset(env, preset: str, args, flush, res: dict) -> None:
     cells, fa_tokens = fitting_cells(preset, 2 if peer else 1)
     if args.cells:
         cells = [c for c in cells if c in args.cells]
+    if not cells:  # none of --cells fits (or is this preset's)
+        res["not_run"].append([preset])
+        return
     t0 = time.time()
     res["checks"][preset] = check(env, preset)
     print(f"[{preset}] check {res['checks'][preset]}", flush=True)

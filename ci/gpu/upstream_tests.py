@@ -12,6 +12,7 @@ regression) and exits 1 on a regression, as the command does.
 from __future__ import annotations
 
 import argparse
+import shutil
 import sys
 import tarfile
 import tempfile
@@ -36,6 +37,8 @@ def main() -> int:
     series = parse_series(ROOT / "series")
     stack = next(s for s in series.stacks if s.name == args.stack)
     patches = [load_patch(series, e) for e in stack.patches]
+    for tree in (args.base, args.patched):  # vLLM's tests/ from the tarball
+        shutil.rmtree(tree / "tests", ignore_errors=True)
     with tempfile.TemporaryDirectory() as tmp:
         with tarfile.open(args.tests_tgz) as tar:
             tar.extractall(tmp, filter="data")

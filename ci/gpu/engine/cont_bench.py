@@ -1,20 +1,19 @@
 """Continuation-prefill benchmark on a release tree WITH its compiled
 extensions (scenario "cont_bench" of scenario.py; device side).
 
-Reuses ci/gpu/tq_continuation_bench.py unchanged (shapes: Hq=16, Hk=4,
-D=256, bf16, block 16, turboquant_4bit_nc and k8v4, cached 4K/32K/128K,
-q_len 512/4096, max_num_batched_tokens 8192; reserved bytes at
-max_model_len 128K and 1M; floor from measured copy bandwidth and bf16
-matmul rate) with three changes made here, from outside:
+Runs ci/gpu/tq_continuation_bench.py unchanged (Hq=16, Hk=4, D=256, bf16,
+block 16, turboquant_4bit_nc and k8v4, cached 4K/32K/128K, q_len 512/4096,
+max_num_batched_tokens 8192; reserved bytes at max_model_len 128K and 1M;
+floor from the measured copy bandwidth and bf16 matmul rate) with three
+changes made here, from outside:
 
 - the platform is vLLM's CudaPlatform (the tree has vllm._C /
-  _C_stable_libtorch and vllm_flash_attn), not the CpuPlatform stand-in the
-  source-tree runs had to use;
+  _C_stable_libtorch and vllm_flash_attn), not the CpuPlatform stand-in of
+  the source-tree runs;
 - attention mode "real": the tree's own flash_attn_varlen_func (the wheel's
-  vllm_flash_attn) and its own merge_attn_states (the compiled CUDA op where
-  the tree dispatches to it) stay in place; no stand-in;
-- the config passed to the impls sets attention_config.flash_attn_version=2,
-  as EngineArgs does for every turboquant_* dtype on these releases.
+  vllm_flash_attn) and merge_attn_states stay in place; no stand-in;
+- the config sets attention_config.flash_attn_version=2, as EngineArgs does
+  for every turboquant_* dtype on these releases.
 
 Variant: a = v0.20.x unpatched (per-layer buffers), b = a later unpatched
 release (full dequant into the shared workspace, pre-grown to v0.24.0's
@@ -28,78 +27,65 @@ import sys
 import time
 from pathlib import Path
 
-GPU_DIR = Path(__file__).resolve().parents[1]  # ci/gpu
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # ci/gpu
 
 
-def variant_letter(release: str, variant: str) -> str:
-    if variant != "unpatched":
-        return "c"
-    return "a" if release.startswith("v0.20.") else "b"
+def name_of(f) -> str:
+    return f"{getattr(f, '__module__', '?')}.{getattr(f, '__name__', '?')}"
 
 
-def run(res: dict, release: str, variant: str, tree: str, json_path: str) -> None:
-    sys.path.insert(0, str(GPU_DIR))
-    import tqlib
-    import tq_continuation_bench as bench
+def on_the_release(tqlib, res: dict) -> None:
+    """tqlib's tree, config and attention mode as the release runs them."""
+    use_tree, make_config, set_mode = tqlib.use_tree, tqlib.make_config, tqlib.set_attention_mode
 
-    letter = variant_letter(release, variant)
-    res["bench_variant"] = letter
-    orig_use_tree = tqlib.use_tree
-
-    def use_tree(t):
-        # tqlib.use_tree installs CudaPlatform where the tree has its compiled
-        # extensions (vllm/_C*.so: _C or _C_stable_libtorch) and a GPU is
-        # there; this run needs it
+    def use_release(tree):
         import vllm.platforms as platforms
         from vllm.platforms.cuda import CudaPlatform
 
-        env = orig_use_tree(t)
+        env = use_tree(tree)
         if not isinstance(platforms._current_platform, CudaPlatform):
-            raise RuntimeError(f"platform is {type(platforms._current_platform).__name__}, "
-                               "expected CudaPlatform (compiled extensions missing?)")
+            raise RuntimeError(f"platform {type(platforms._current_platform).__name__}, "
+                               "not CudaPlatform (compiled extensions missing?)")  # fmt: skip
         return env
 
-    orig_make_config = tqlib.make_config
-
-    def make_config(env, **kw):
-        cfg = orig_make_config(env, **kw)
+    def fa2_config(env, **kw):
+        cfg = make_config(env, **kw)
         cfg.attention_config.flash_attn_version = 2
         return cfg
 
-    orig_mode = tqlib.set_attention_mode
-
-    def set_attention_mode(env, mode):
+    def real_mode(env, mode):
         if mode != "real":
-            return orig_mode(env, mode)
-        tqa = env.tqa
-        if not tqa._HAS_FLASH_ATTN:
+            return set_mode(env, mode)
+        if not env.tqa._HAS_FLASH_ATTN:
             raise RuntimeError("the tree's _HAS_FLASH_ATTN is False: vllm_flash_attn did not load")
-        fa = getattr(tqa, "flash_attn_varlen_func", None)
-        res["real_flash_attn_varlen_func"] = f"{getattr(fa, '__module__', '?')}.{getattr(fa, '__name__', '?')}"
-        m = getattr(tqa, "merge_attn_states", None)
-        res["real_merge_attn_states"] = (
-            f"{getattr(m, '__module__', '?')}.{getattr(m, '__name__', '?')}" if m else "not used by this tree"
-        )
+        res["real_flash_attn_varlen_func"] = name_of(getattr(env.tqa, "flash_attn_varlen_func", None))
+        merge = getattr(env.tqa, "merge_attn_states", None)
+        res["real_merge_attn_states"] = name_of(merge) if merge else "not used by this tree"
 
-    tqlib.use_tree = use_tree
-    tqlib.make_config = make_config
-    tqlib.set_attention_mode = set_attention_mode
+    tqlib.use_tree, tqlib.make_config, tqlib.set_attention_mode = use_release, fa2_config, real_mode
+
+
+def run(res: dict, release: str, variant: str, tree: str, json_path: str) -> None:
+    import tq_continuation_bench as bench
+    import tqlib
+
+    letter = "c" if variant != "unpatched" else "a" if release.startswith("v0.20.") else "b"
+    res["bench_variant"] = letter
+    on_the_release(tqlib, res)
     out = Path(json_path).with_suffix(".bench.json")
-    argv = sys.argv
-    sys.argv = ["tq_continuation_bench.py", "--tree", tree, "--variant", letter, "--out", str(out),
-                "--modes", "real", "--budget", "0.3"]
+    argv, sys.argv = sys.argv, ["tq_continuation_bench.py", "--tree", tree, "--variant", letter,
+                                "--out", str(out), "--modes", "real", "--budget", "0.3"]  # fmt: skip
     t = time.time()
     try:
-        rc = bench.main()
+        res["bench_rc"] = bench.main()
     finally:
         sys.argv = argv
     res["bench_wall_s"] = round(time.time() - t, 1)
-    res["bench_rc"] = rc
-    if out.exists():
-        res["bench"] = json.loads(out.read_text())
-        errs = res["bench"].get("errors") or []
-        res["outcome"] = "ok" if not errs else "partial"
-        if errs:
-            res["error"] = {"type": "BenchRowErrors", "first_line": f"{len(errs)} rows failed: {errs[0]['key']}"}
-    else:
+    if not out.exists():
         res["outcome"] = "failed"
+        return
+    res["bench"] = json.loads(out.read_text())
+    errs = res["bench"].get("errors") or []
+    res["outcome"] = "partial" if errs else "ok"
+    if errs:
+        res["error"] = {"type": "BenchRowErrors", "first_line": f"{len(errs)} rows failed: {errs[0]['key']}"}

@@ -1,7 +1,7 @@
 #!/bin/bash
-# The v0.26.0 variants of the engine campaign's "Silent wrong outputs" calls
-# (ci/gpu/results/history/engine/PLAN.md) as overlay
-# directories for build_stage.py (--overlay v0.26.0:VARIANT=OUT/VARIANT):
+# The v0.26.0 variants of the engine's silent-wrong-output calls (CALLS
+# "spec" of scenarios.py) as overlay folders for ci/gpu/stage.py releases
+# (--overlay v0.26.0:VARIANT=OUT/VARIANT):
 #   kvfix    v0.26.0 + ports/v0.26.0-tq-kv-shape-v1-runner.diff: vllm#50709
 #            ("Unknown TurboQuant cache dtype: 'auto'") on the V1 model
 #            runner, which ngram speculative decoding needs on v0.26.0 (no

@@ -1,6 +1,6 @@
-"""The engine scenarios of the GPU campaign: one place that says what each
-scenario runs, read by scenario.py (device), check_configs.py (CPU config
-check), driver.py (job lists) and summarize.py (tables).
+"""The engine scenarios: what each runs (read by scenario.py on the device,
+driver.py for scheduling, ci/gpu/summarize.py for the tables), and CALLS,
+the jobs of each call of a rerun of the kept measurements.
 
 A scenario is an engine configuration plus a workload. Every engine runs a
 dummy-weight model from ./models (load_format="dummy", skip_tokenizer_init,
@@ -15,23 +15,19 @@ prompts as token ids). Scheduler dimensions the fixes claim to cover:
 
 Scenario names:
   m1..m6   dense Qwen3 tiny, turboquant_4bit_nc, CUDA graphs (defaults):
-           m1 chunked+prefix          (vllm#41726's configuration)
-           m2 prefix only             (prefix hit + 3497-token tail, no chunking)
-           m3 chunked only
-           m4 chunked+prefix+spec     (vllm#40807's configuration)
-           m5 spec only
-           m6 prefix+spec
-  h1, h4   the Qwen3.5-style hybrid, as m1 / m4 (h1 on v0.20.2 unpatched:
-           the hybrid gate; on v0.21..v0.23: vllm#41726's own model family)
+           m1 chunked+prefix (vllm#41726's configuration), m2 prefix only,
+           m3 chunked only, m4 chunked+prefix+spec (vllm#40807's), m5 spec
+           only, m6 prefix+spec
+  h0, h1, h4   the Qwen3.5-style hybrid: engine start only (the gate), as m1,
+           as m4
   e_*      the same as a graph scenario, enforce_eager=True (output equality)
   k_*      turboquant_k8v4 variants; a_* kv_cache_dtype="auto" variants
   s_*      decode throughput (exclusive GPU): s_graph (CUDA graphs),
-           s_none (compilation_config cudagraph_mode NONE, the workaround of
-           vllm#40807), s_eager (enforce_eager=True), and with ngram spec
-           decoding s_spec_graph / s_spec_none
-  import   smoke check of the staged release (imports, a _C op, FA2)
+           s_none (cudagraph_mode NONE, vllm#40807's workaround), s_eager
+           (enforce_eager), with ngram spec decoding s_spec_graph / s_spec_none
   cont_bench  tq_continuation_bench.py's shapes on the release's real
               flash-attn (exclusive GPU)
+  pfx, sd_*, sdx_*  silent wrong outputs (below)
 """
 
 from __future__ import annotations
@@ -115,8 +111,6 @@ SCENARIOS: dict[str, dict] = {
     "s_spec_none": _s(workload="speed", prefix=False, spec=True, graphs="none", mp=1,
                       exclusive=True, timeout=200,
                       doc="throughput, ngram spec, cudagraph_mode NONE"),
-    "import": {"kind": "import", "timeout": 120, "exclusive": False,
-               "doc": "imports, _C op, FA2 varlen vs SDPA"},
     "cont_bench": {"kind": "cont_bench", "timeout": 240, "exclusive": True,
                    "doc": "continuation prefill kernel benchmark, real FA2"},
 }
@@ -285,18 +279,50 @@ def long_requests(prefix: bool) -> list[dict]:
     return reqs
 
 
-# What each release x variant is expected to show (for the tables; the
-# device result is what counts).
-EXPECT = {
-    ("v0.20.2", "unpatched", "spec"): "init fails: Cannot copy between CPU and CUDA tensors during CUDA graph capture (vllm#40807)",
-    ("v0.20.2", "unpatched", "hybrid"): "config fails: NotImplementedError: TurboQuant KV cache is not supported for hybrid",
-    ("v0.20.2", "unpatched", "cont"): "serves; per-layer dequant buffers grow with the context",
-    ("v0.21.0", "unpatched", "cont"): "first continuation > 128 tokens after capture: AssertionError: Workspace is locked but allocation from ..._continuation_prefill (vllm#41726)",
-    ("v0.26.0", "unpatched", "cont"): "chunked prefill on: serves, workspace reserved for the full max_model_len dequant; off (m2): a prefix hit's continuation after capture: Workspace is locked (nothing reserved then)",
-    ("*", "patched", "*"): "serves",
+# --------------------------------------------------------------------------
+# The calls of a rerun (run.sh's engine part: CALL=NAME), each
+# (jobs at once, budget s, jobs RELEASE:VARIANT:SCENARIO in order of value:
+# the deadline cuts the tail). Staged by `stage.py releases v0.20.2,v0.21.0,
+# v0.26.0` with the overlays v0.20.2:patched (the tq wheel), v0.26.0:kvfix
+# and v0.26.0:patched (engine/overlays.sh). Results of 2026-11-23 (calls
+# c1-c9) and 2026-11-25 (p1-p4): ci/gpu/results/engine-2026-11-2{3,5}/.
+# --------------------------------------------------------------------------
+
+
+def jobs(*groups: str) -> list[str]:
+    """"REL:VARIANT:s1,s2,..." groups as RELEASE:VARIANT:SCENARIO jobs."""
+    out = []
+    for g in groups:
+        rel, var, names = g.split(":")
+        out += [f"{rel}:{var}:{n}" for n in names.split(",")]
+    return out
+
+
+U0, P0, U1 = "v0.20.2:unpatched", "v0.20.2:patched", "v0.21.0:unpatched"
+CALLS: dict[str, tuple[int, int, list[str]]] = {
+    # the crashes of the release wheels, the patched wheel serving the same
+    # scenarios, output equality and TurboQuant vs auto (calls c3, c6)
+    "crashes": (6, 420, jobs(
+        f"{U0}:m4,h0,m1", f"{U1}:m1,h1", f"{P0}:m4,h1,m1,e_m1,e_h1,a_m1,a_h1",
+        f"{U0}:m2", f"{P0}:m2", f"{U0}:m3", f"{P0}:m3", f"{U0}:m5", f"{P0}:m5,h4",
+        f"{U1}:m2,m4,m5,h4", f"{U0}:m6", f"{P0}:m6")),
+    # alone on the GPU: throughput against the workarounds, the continuation
+    # kernel on the wheels' FA2 ((c), (b), (a)); the k8v4 pairs (c4, c8)
+    "speed": (6, 420, jobs(
+        f"{P0}:s_graph", f"{U0}:s_none,s_eager", f"{P0}:cont_bench",
+        f"{U1}:cont_bench", f"{P0}:k_m1,ke_m1,k_h1,ke_h1", f"{U0}:cont_bench",
+        f"{P0}:s_spec_graph", f"{U0}:s_spec_none")),
+    # v0.26.0 as released (c5; its patched column of 2026-11-23 was a hand
+    # port that is not kept)
+    "v026": (6, 300, jobs("v0.26.0:unpatched:m2,m1,m4,h1,h4,m5")),
+    # silent wrong outputs on v0.20.2: the prefix hit (vllm#46460), spec
+    # decoding under full graphs (p3)
+    "pfx": (6, 330, jobs(f"{U0}:pfx", f"{P0}:pfx", f"{U0}:pfx_auto", f"{P0}:sd_ref,sd_fs")),
+    # the same on v0.26.0: the parallel ones first, then the timed ones
+    # alone (p4)
+    "spec": (8, 560, jobs(
+        "v0.26.0:unpatched:sd_fa", "v0.26.0:kvfix:sd_ref,sd_fa,sd_fs,sd_pa",
+        "v0.26.0:patched:sd_ref,sd_fs", "v0.26.0:unpatched:pfx",
+        "v0.26.0:patched:pfx", "v0.26.0:unpatched:pfx_auto",
+        "v0.26.0:patched:sdx_fa", "v0.26.0:kvfix:sdx_ps,sdx_es")),
 }
-
-
-def needs_continuation(name: str) -> bool:
-    s = SCENARIOS[name]
-    return s["kind"] == "engine" and s["workload"] == "std" and (s["chunked"] or s["prefix"])
