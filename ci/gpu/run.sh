@@ -18,6 +18,9 @@
 #   accuracy   tq_decode_accuracy.py (ACC_ARGS), then the decode bench on
 #              ACC_BENCH_TREES at ACC_BENCH_CELLS
 #   profile    ncu on the grouped decode's stage 1 (PROF_CELL, 32x32768)
+#   upstream   vLLM's own tests of what tq-v0.33 changes, tq33-base against
+#              tq33-patched (upstream_tests.py; UP_TESTS: v0.33.0's tests/
+#              as a tarball, results/upstream-2026-11-29/README.md)
 #   engine     the release wheels' engine (carry .dev/eng/CALL, or none):
 #              CALL=NAME applies that carry (engine/setup.py), then runs
 #              engine/scenarios.py's CALLS[NAME] or JOBS (engine/driver.py)
@@ -144,6 +147,13 @@ part_profile() {  # ncu's details page and SASS opcode mix into $OUT/profile.tar
   done
   tar -C "$P" -czf "$OUT/profile.tar.gz" --exclude='*.ncu-rep' .
 }
+part_upstream() {  # apply.py upstream's comparison, where the GPU tests run
+  run upstream "${UP_CAP:-500}" $PY ci/gpu/upstream_tests.py --stack tq-v0.33 \
+    --tests-tgz "${UP_TESTS:-.gpu/tests-v0.33.0.tgz}" \
+    --base "$T/tq33-base" --patched "$T/tq33-patched"
+  cp "$W/upstream.log" "$OUT/" 2>/dev/null
+  tail -n 20 "$W/upstream.log"
+}
 part_engine() {  # one call: its carry applied, then its jobs
   local call=${CALL:?CALL=NAME: the carry .dev/eng/NAME and/or the jobs CALLS[NAME]} rc
   export ENG_ROOT=${ENG_ROOT:-/root/eng} VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1
@@ -178,7 +188,7 @@ cp .gpu/MANIFEST "$W/" 2>/dev/null
 ls "$T"
 for part in ${parts//,/ }; do
   case $part in
-    tests|batches|cudagraph|bench|decode|accuracy|profile) part_$part ;;
+    tests|batches|cudagraph|bench|decode|accuracy|profile|upstream) part_$part ;;
     none) ;;
     *) echo "run.sh: no part $part" ;;
   esac
