@@ -106,7 +106,8 @@ def release_tests(version: str) -> Path:
     with tempfile.TemporaryDirectory(dir=root.parent) as tmp:
         archive = Path(tmp) / "sdist.tar.gz"
         if "://" in src and not src.startswith("file://"):
-            urllib.request.urlretrieve(src, archive)
+            with urllib.request.urlopen(src, timeout=120) as r, archive.open("wb") as f:
+                shutil.copyfileobj(r, f)
         else:
             shutil.copyfile(src.removeprefix("file://"), archive)
         if sha and hashlib.sha256(archive.read_bytes()).hexdigest() != sha:

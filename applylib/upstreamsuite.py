@@ -25,7 +25,7 @@ from .core import UserError, command, common, git
 from .pinned import fetched_dir
 from .runner import PatchResult, apply_stack
 from .sdist import release_tests
-from .series import Patch, Stack, load_patch, parse_series
+from .series import Patch, Series, Stack, load_patch, parse_series
 from .testrun import test_python, tree_env
 from .upstreamtest import OUTCOME
 from .wheelbuild import stack_release
@@ -182,7 +182,7 @@ def summary(outs: dict[str, str]) -> str:
     return ", ".join(f"{n} {o}" for o, n in sorted(counts.items())) or "none"
 
 
-def check_stack(args: argparse.Namespace, root: Path, stack: Stack) -> int:
+def check_stack(args: argparse.Namespace, series: Series, stack: Stack) -> int:
     """One stack: its base and patched trees with vLLM's tests, compared."""
     user_repo = find_user_repo(args.repo)
     try:
@@ -191,7 +191,7 @@ def check_stack(args: argparse.Namespace, root: Path, stack: Stack) -> int:
         )
     except BaseUnavailable as e:
         raise UserError(f"base unavailable: {e.reason} (to get it: {e.hint})") from None
-    patches = [load_patch(args.series_obj, e) for e in stack.patches]
+    patches = [load_patch(series, e) for e in stack.patches]
     was_wt = worktree(base.repo, f"{stack.name}-upstream-base", base.commit)
     now_wt = worktree(base.repo, f"{stack.name}-upstream-patched", base.commit)
     results = {p.file: PatchResult(p.file) for p in patches}
@@ -203,12 +203,15 @@ def check_stack(args: argparse.Namespace, root: Path, stack: Stack) -> int:
         if release is None:
             print(f"{stack.name}: {base.rev} is no release and has no tests/: skipped")
             return 0
-        tests, where = release_tests(release), f"vllm {release}'s sdist"
+        try:
+            tests, where = release_tests(release), f"vllm {release}'s sdist"
+        except BaseUnavailable as e:
+            raise UserError(f"{e.reason} (or: {e.hint})") from None
     print(f"{stack.name}: vLLM's tests of the modules its patches change ({where})")
     if left:
         print(f"  not applied: {', '.join(p.file for p in left)}")
     return compare_trees(
-        root, stack, patches, (was_wt, now_wt), tests, test_python(args.python)
+        series.root, stack, patches, (was_wt, now_wt), tests, test_python(args.python)
     )
 
 
@@ -258,14 +261,13 @@ def report(was: dict[str, str], now: dict[str, str], updated: set[str]) -> int:
 def cmd_upstream(args: argparse.Namespace) -> int:
     """apply.py upstream [STACK...]: exit 1 when a stack breaks a vLLM test."""
     series = parse_series(Path(args.series))
-    args.series_obj = series
     names = args.stacks or [s.name for s in series.stacks]
     unknown = [n for n in names if n not in {s.name for s in series.stacks}]
     if unknown:
         raise UserError(f"no stack named {', '.join(unknown)} in {args.series}")
     rc = 0
     for stack in (s for s in series.stacks if s.name in names):
-        rc = max(rc, check_stack(args, series.root, stack))
+        rc = max(rc, check_stack(args, series, stack))
     return rc
 
 
