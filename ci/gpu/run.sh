@@ -17,7 +17,8 @@
 #              (vllm#53060's decode too, ci/gpu/peer_stage.sh; carry .peer)
 #   accuracy   tq_decode_accuracy.py (ACC_ARGS), then the decode bench on
 #              ACC_BENCH_TREES at ACC_BENCH_CELLS
-#   profile    ncu on the grouped decode's stage 1 (PROF_CELL, 32x32768)
+#   profile    ncu on the grouped decode's stage 1 (PROF_CELL, 32x32768;
+#              PROF_PEER=.peer: vllm#53060's decode kernels too, carry .peer)
 #   upstream   vLLM's own tests of what tq-v0.33 changes, tq33-base against
 #              tq33-patched (upstream_tests.py; UP_TESTS: v0.33.0's tests/
 #              as a tarball, results/upstream-2026-11-29/README.md)
@@ -132,14 +133,18 @@ part_accuracy() {  # ACC_BASE: v0.33.0's kernel file where tq33-base is not stag
   cat "$OUT"/accuracy/bench_*/tq_decode_table.md "$OUT/accuracy/tq_decode_accuracy.md" 2>/dev/null
 }
 part_profile() {  # ncu's details page and SASS opcode mix into $OUT/profile.tar.gz
-  local P=$W/profile p n ncu
+  local P=$W/profile p k n ncu
   ncu=$(command -v ncu || echo /usr/local/cuda/bin/ncu)
   mkdir -p "$P"
-  for p in turboquant_4bit_nc turboquant_k8v4; do
-    n=prof_${p#turboquant_}
-    run $n "${PROF_CAP:-120}" $ncu -k regex:_tq_grouped_decode_stage1 -s 1 -c 1 --set full \
+  # PRESET:KERNEL: 0009's stage 1 (new), with PROF_PEER=.peer vllm#53060's too
+  for p in 4bit_nc:new k8v4:new ${PROF_PEER:+4bit_nc:peer 4bit_nc:peer_mma}; do
+    k=${p#*:} n=prof_${p%%:*}
+    [ "$k" = new ] || n=prof_$k
+    run $n "${PROF_CAP:-120}" $ncu -k "regex:$([ "$k" = new ] && echo _tq_grouped_decode_stage1 ||
+      echo '^(tq_)?decode_kernel$')" -s 1 -c 1 --set full \
       --import-source no -f -o "$P/$n" $PY ci/gpu/tq_decode_profile.py \
-      --tree "$T/tq33-patched" --preset $p --cell "${PROF_CELL:-32x32768}"
+      --tree "$T/tq33-patched" --preset turboquant_${p%%:*} --cell "${PROF_CELL:-32x32768}" \
+      --kernel "$k" ${PROF_PEER:+--peer $PROF_PEER}
     $ncu --import "$P/$n.ncu-rep" --page details --print-details all > "$P/$n.txt" 2>&1
     $ncu --import "$P/$n.ncu-rep" --page source --print-source sass --csv > "$P/$n.sass.csv" 2>&1
     $PY ci/gpu/ncu_sass_mix.py "$P/$n.sass.csv" 2>&1 | tee "$P/$n.mix.txt"
