@@ -47,7 +47,7 @@ from .series import (
     pick_patch,
 )
 from .testrun import test_python
-from .upstreamsuite import diff_files
+from .upstreamsuite import diff_files, upstream_diff
 from .upstreamtest import before_and_with, fail_without_fix
 from .wheelbuild import cmd_wheel
 
@@ -491,7 +491,7 @@ def carry_test_update(job: ExportJob, wt: Path) -> str:
     """The patch's update of vLLM's own tests (tests/upstream/<stack>/
     <patch>.diff) applied to the PR's tree and staged, where that tree has
     vLLM's tests; what became of it, or "" when the patch has none."""
-    rel = Path("tests") / "upstream" / Path(job.entry).with_suffix(".diff")
+    rel = upstream_diff(job.entry)
     diff = job.series.root / rel
     if not diff.is_file():
         return ""

@@ -12,11 +12,9 @@ else from the release's sdist (applylib.sdist)."""
 from __future__ import annotations
 
 import argparse
-import os
 import re
 import shutil
 import subprocess
-import tempfile
 from collections import Counter
 from pathlib import Path
 
@@ -26,8 +24,8 @@ from .pinned import fetched_dir
 from .runner import PatchResult, apply_stack
 from .sdist import release_tests
 from .series import Patch, Series, Stack, load_patch, parse_series
-from .testrun import test_python, tree_env
-from .upstreamtest import OUTCOME
+from .testrun import test_python
+from .upstreamtest import OUTCOME, run_plain
 from .wheelbuild import stack_release
 
 # A module more of vLLM's test files import than this (arg_utils,
@@ -60,12 +58,18 @@ elif not list(Path(importlib.util.find_spec("vllm").origin).parent.glob("_C*.so"
 """
 
 
+def upstream_diff(entry: str) -> Path:
+    """Where the series keeps a patch's update of vLLM's own tests,
+    relative to its root."""
+    return Path("tests") / "upstream" / Path(entry).with_suffix(".diff")
+
+
 def upstream_diffs(root: Path, stack: Stack) -> list[Path]:
     """The stack's patches' updates of vLLM's tests, in series order."""
     return [
-        d
+        root / upstream_diff(p)
         for p in stack.patches
-        if (d := root / "tests" / "upstream" / Path(p).with_suffix(".diff")).is_file()
+        if (root / upstream_diff(p)).is_file()
     ]
 
 
@@ -111,18 +115,9 @@ def outcomes(tree: Path, files: list[str], python: str) -> dict[str, str]:
     a pass with an error at teardown is an error)."""
     if not files:
         return {}
-    with tempfile.TemporaryDirectory(prefix="vllm-patches-upstream-") as scratch:
-        (Path(scratch) / "vllm_patches_host.py").write_text(HOST_PLUGIN)
-        env = dict(os.environ, **tree_env(tree, Path(scratch)))
-        env["PYTHONPATH"] += os.pathsep + scratch
-        for own in ("VLLM_TREE", "VLLM_PATCHES_TREE_ENV"):
-            env.pop(own, None)
-        cmd = [python, "-m", "pytest", "-q", "-rA", "-p", "no:cacheprovider"]
-        cmd += ["--continue-on-collection-errors"]
-        cmd += ["-p", "vllm_patches_host", *files]
-        p = subprocess.run(
-            cmd, cwd=tree, env=env, capture_output=True, text=True, check=False
-        )
+    p = run_plain(
+        tree, ["--continue-on-collection-errors", *files], python, HOST_PLUGIN
+    )
     rank = {"passed": 0, "xfail": 0, "xpass": 1, "failed": 2, "error": 3}
     seen: dict[str, str] = {}
     for line in p.stdout.splitlines():

@@ -19,18 +19,29 @@ from .testrun import tree_env
 OUTCOME = re.compile(r"^(PASSED|FAILED|ERROR|XFAIL|XPASS) (\S+)")
 
 
-def plain_pytest(tree: Path, ids: list[str], python: str) -> dict[str, str]:
-    """Each test id's outcome (`outcome`) under `python -m pytest` run in
-    `tree`, the tree importable as an installed vLLM is (tree_env's
-    metadata)."""
+def run_plain(
+    tree: Path, args: list[str], python: str, plugin: str | None = None
+) -> subprocess.CompletedProcess[str]:
+    """`python -m pytest -q -rA ARGS` in `tree`, the tree importable as an
+    installed vLLM is (tree_env's metadata), none of the harness's
+    variables; `plugin`, a module's text, loaded with -p."""
     with tempfile.TemporaryDirectory(prefix="vllm-patches-plain-") as scratch:
         env = dict(os.environ, **tree_env(tree, Path(scratch)))
         for own in ("VLLM_TREE", "VLLM_PATCHES_TREE_ENV"):  # the harness's
             env.pop(own, None)
-        cmd = [python, "-m", "pytest", "-q", "-rA", "-p", "no:cacheprovider", *ids]
-        p = subprocess.run(
-            cmd, cwd=tree, env=env, capture_output=True, text=True, check=False
+        cmd = [python, "-m", "pytest", "-q", "-rA", "-p", "no:cacheprovider"]
+        if plugin is not None:
+            (Path(scratch) / "vllm_patches_plugin.py").write_text(plugin)
+            env["PYTHONPATH"] += os.pathsep + scratch
+            cmd += ["-p", "vllm_patches_plugin"]
+        return subprocess.run(
+            cmd + args, cwd=tree, env=env, capture_output=True, text=True, check=False
         )
+
+
+def plain_pytest(tree: Path, ids: list[str], python: str) -> dict[str, str]:
+    """Each test id's outcome (`outcome`) under plain pytest in `tree`."""
+    p = run_plain(tree, ids, python)
     seen = {}
     for line in p.stdout.splitlines():
         m = OUTCOME.match(line)
