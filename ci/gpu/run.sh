@@ -14,7 +14,8 @@
 #              (v0.21.0 / v0.33.0), (a) v0.20.2; BENCH_MODES (sdpa,fa)
 #   decode     tq_decode_bench.py on tq33-patched: DECODE_PRESETS,
 #              DECODE_CELLS, DECODE_SWEEP=0 (no sweep), DECODE_PEER=.peer
-#              (vllm#53060's decode too, ci/gpu/peer_stage.sh; carry .peer)
+#              (vllm#53060's decode too, ci/gpu/peer_stage.sh; carry .peer),
+#              DECODE_ARGS (more of the bench's flags, e.g. --cand)
 #   accuracy   tq_decode_accuracy.py (ACC_ARGS), then the decode bench on
 #              ACC_BENCH_TREES at ACC_BENCH_CELLS
 #   profile    ncu on the grouped decode's stage 1 (PROF_CELL, 32x32768;
@@ -114,7 +115,7 @@ part_decode() {
   run decode_bench "$cap" $PY ci/gpu/tq_decode_bench.py --tree "$T/tq33-patched" \
     --out "$OUT/decode" $sweep --deadline $(( cap - 50 )) $SMALL_ARG \
     ${DECODE_PRESETS:+--presets $DECODE_PRESETS} ${DECODE_CELLS:+--cells $DECODE_CELLS} \
-    ${DECODE_PEER:+--peer $DECODE_PEER --errors}
+    ${DECODE_PEER:+--peer $DECODE_PEER --errors} ${DECODE_ARGS:-}
   cp "$W/decode_bench.log" "$OUT/decode/" 2>/dev/null
   cat "$OUT/decode/tq_decode_table.md" 2>/dev/null
 }

@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import importlib.util
 import json
 import math
 import sys
@@ -62,10 +61,12 @@ ROWS, CHUNK, REPS = 8, 16384, 10
 
 def parse_args() -> argparse.Namespace:
     global HK, BLOCK, PRESETS, DIMS, GQAS, CELLS, SWEEP, SWEEP_SPLITS, ROWS, CHUNK, REPS
+    global DTYPE
     ap = argparse.ArgumentParser()
     ap.add_argument("--tree", required=True)
     ap.add_argument("--base-kernel", required=True, help="v0.33.0's module file")
     ap.add_argument("--variant", action="append", default=[], help="NAME=FILE")
+    ap.add_argument("--tree-name", default="0009", help="the tree's grouped decode")
     ap.add_argument("--out", required=True)
     ap.add_argument("--presets", help="comma list without turboquant_")
     ap.add_argument("--dims", help="comma list of head sizes")
@@ -78,7 +79,9 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--reps", type=int, help="timed replays a kernel")
     ap.add_argument("--deadline", type=float, default=540, help="seconds")
     ap.add_argument("--small", action="store_true", help="CPU sanity shapes")
+    ap.add_argument("--dtype", choices=("bfloat16", "float16"), default="bfloat16")
     a = ap.parse_args()
+    DTYPE = getattr(torch, a.dtype)
     if a.small:
         HK, PRESETS, DIMS, GQAS = 1, ("4bit_nc", "k8v4"), (64,), (4,)
         CELLS, SWEEP = ((2, 96),), ("4bit_nc", 64, 4, (2, 96))
@@ -104,30 +107,20 @@ def parse_args() -> argparse.Namespace:
 # --------------------------------------------------------------------------
 
 
-def load_module(name: str, path: str) -> ModuleType:
-    """A kernel module from its file, beside the tree's (its imports
-    resolve in the tree)."""
-    spec = importlib.util.spec_from_file_location(f"tq_accuracy_{name}", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
 def sha256(path: str | Path) -> str:
     return hashlib.sha256(Path(path).read_bytes()).hexdigest()[:16]
 
 
 def kernels(args, gd: ModuleType) -> tuple[ModuleType, dict, dict]:
-    """v0.33.0's module, {name: grouped module} (0009 first), and where each
-    came from (file, sha256)."""
-    up = load_module("up", args.base_kernel)
-    grouped = {"0009": gd}
+    """v0.33.0's module, {name: grouped module} (the tree's first, named
+    --tree-name), and where each came from (file, sha256)."""
+    up = tqlib.load_module("tq_accuracy_up", args.base_kernel)
+    grouped = {args.tree_name: gd}
     files = {"up": [args.base_kernel, sha256(args.base_kernel)]}
-    files["0009"] = [gd.__file__, sha256(gd.__file__)]
+    files[args.tree_name] = [gd.__file__, sha256(gd.__file__)]
     for spec in args.variant:
         name, path = spec.split("=", 1)
-        grouped[name] = load_module(name, path)
+        grouped[name] = tqlib.load_module(f"tq_accuracy_{name}", path)
         files[name] = [path, sha256(path)]
     return up, grouped, files
 
@@ -322,10 +315,17 @@ class Cell:
         return res
 
 
-def forward_splits(gd: ModuleType, batch: int) -> int:
-    """The split count the patched forward takes for ``batch`` requests."""
+def forward_splits(gd: ModuleType, batch: int, cfg) -> int:
+    """The split count the patched forward takes for ``batch`` requests
+    (with 0010, of the preset's stage 1)."""
     budget = MAX_NUM_SEQS * UP_SPLITS // max(batch, 1)
-    return gd.grouped_decode_num_splits(batch, HK, budget, tqlib.DEVICE)
+    regs = getattr(gd, "grouped_decode_in_registers", None)
+    if regs is None:
+        return gd.grouped_decode_num_splits(batch, HK, budget, tqlib.DEVICE)
+    in_registers = regs(
+        cfg.key_fp8, cfg.key_mse_bits, cfg.effective_value_quant_bits, DTYPE
+    )
+    return gd.grouped_decode_num_splits(batch, HK, budget, tqlib.DEVICE, in_registers)
 
 
 def bound(err_up: float) -> float:
@@ -341,7 +341,7 @@ def run_cell(env, shape: Shape, num_blocks: int, batch: int, length: int,
     row["up"] = cell.up(env.up, env.flush)
     limit = bound(row["up"]["err"])
     for name, module in env.grouped.items():
-        s = splits or forward_splits(env.gd, batch)
+        s = splits or forward_splits(module, batch, shape.cfg)
         try:
             res = cell.grouped(module, s, env.flush)
         except Exception as e:  # e.g. Triton's OutOfResources: recorded
@@ -471,7 +471,7 @@ def table(res: dict) -> str:
             + " | ".join(f"err {n}" for n in names) + " | bound | "
             + " | ".join(f"ms {n}" for n in names) + " |")  # fmt: skip
     title = (f"### TurboQuant decode: relative L2 error against float64 "
-             f"({res['device'].get('device')}, Hk {res['Hk']}, bf16, block "
+             f"({res['device'].get('device')}, Hk {res['Hk']}, {str(DTYPE)[6:]}, block "
              f"{BLOCK}; within bound: ok / NO)")  # fmt: skip
     lines = [title, "", head, "|" + "---|" * (7 + 2 * len(names))]
     for tag, rows in (("", res["rows"]), ("sweep ", res["sweep"])):

@@ -15,6 +15,7 @@ sees no GPU) on small shapes.
 
 from __future__ import annotations
 
+import importlib.util
 import math
 import os
 import statistics
@@ -23,7 +24,7 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
-from types import SimpleNamespace
+from types import ModuleType, SimpleNamespace
 from typing import Any
 
 import torch
@@ -67,6 +68,16 @@ def use_tree(tree: str | Path) -> SimpleNamespace:
         has_flash_attn=bool(tqa._HAS_FLASH_ATTN),
         models=Path(tempfile.mkdtemp(prefix="tq-model-")),
     )
+
+
+def load_module(name: str, path: str | Path) -> ModuleType:
+    """A kernel module from its file, beside the tree's (its imports
+    resolve in the tree), as sys.modules[name]."""
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
 
 
 def make_config(
