@@ -25,6 +25,7 @@ Small shapes: on CPU every Triton kernel runs in the interpreter.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 from collections.abc import Iterator
 from pathlib import Path
@@ -262,7 +263,10 @@ def test_matches_reference_no_worse_than_v0_33(shape_env) -> None:
     error at these shapes is the output's rounding (2026-11-27: at most
     1.002 half ulps in each of the 20 cases), so there the bound is the
     rounding and v0.33.0's kernel, three quarters of the test's time on
-    CPU, runs on a GPU only."""
+    CPU, runs on a GPU only. Then bf16 queries and outputs against the
+    reference of the bf16 query, within a bf16 ulp: the interpreter rounds
+    fp32 to bf16 toward zero (tq-v0.33/0010 rounds 4-bit keys' centroids
+    to fp16 alone there, each score to about 2**-12 of itself)."""
     env, (cached, splits) = shape_env
     impl, layer, batch = tb.decode_batch(env, cached, seed=sum(cached) + splits)
     old_splits = 4 if torch.cuda.is_available() else None
@@ -281,6 +285,13 @@ def test_matches_reference_no_worse_than_v0_33(shape_env) -> None:
     assert torch.equal(new[-1], torch.zeros_like(new[-1])), "padding row not zero"
     _, again = tb.decode_kernels(impl, layer, batch, splits, pad=1, old_splits=None)
     assert torch.equal(again[:-1], new[:-1]), "same inputs, other bits"
+    bf16 = dataclasses.replace(batch, query=batch.query.bfloat16())
+    _, new = tb.decode_kernels(impl, layer, bf16, splits, old_splits=None)
+    bf16.query = bf16.query.half()  # exact: the reference takes fp16
+    want = torch.cat(tb.reference(bf16, impl, layer))
+    err = (new.cpu().double().reshape(want.shape) - want).abs().max().item()
+    ulp = 2 * tb.half_ulp(new.dtype, want)
+    assert err <= ulp * 1.01, f"grouped decode error {err:.3g} > {ulp:.3g} at bf16"
 
 
 @pytest.mark.cpu_only  # Triton's interpreter, with the tensor cores' rounding
