@@ -15,7 +15,7 @@
 #   decode     tq_decode_bench.py on tq33-patched: DECODE_PRESETS,
 #              DECODE_CELLS, DECODE_SWEEP=0 (no sweep), DECODE_PEER=.peer
 #              (vllm#53060's decode too, ci/gpu/peer_stage.sh; carry .peer),
-#              DECODE_ARGS (more of the bench's flags, e.g. --cand)
+#              DECODE_ARGS (more of the bench's flags, e.g. --prev FILE)
 #   accuracy   tq_decode_accuracy.py (ACC_ARGS), then the decode bench on
 #              ACC_BENCH_TREES at ACC_BENCH_CELLS
 #   profile    ncu on the grouped decode's stage 1 (PROF_CELL, 32x32768;

@@ -27,8 +27,6 @@ Each cell, CUDA-graph replayed, L2 flushed before every replay, median of 25:
          (tqpeer.py: its sources staged in DIR by peer_stage.sh, built here)
          on the same cache bytes in its page-local layout: its own dispatch
          (``peer``) and its tensor-core path forced (``peer_mma``)
-  cand_* (--cand) issue 38's candidate stage 1 (tq_decode_cand.py), a
-         column a variant of its cuts
   prev   (--prev FILE) another grouped decode module (the kernel a patch
          replaced, e.g. 0009's), at its own split count
 
@@ -88,7 +86,6 @@ SWEEP_PPSM = (2, 4, 8)
 FLUSH_BYTES = 256 << 20  # > H100's 50 MB L2
 VERIFY = 0  # tokens each request verifies (speculative decoding), 0: none
 ERRORS = False  # --errors: every kernel's error against float64, every cell
-CANDS: tuple[str, ...] = ()  # --cand: tq_decode_cand.VARIANTS; --prev: "prev"
 
 
 def parse_args() -> argparse.Namespace:
@@ -105,7 +102,6 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--verify", type=int, default=0, help="also time verification")
     ap.add_argument("--peer", help="vllm#53060's staged sources (peer_stage.sh)")
     ap.add_argument("--errors", action="store_true", help="errors vs float64")
-    ap.add_argument("--cand", action="store_true", help="tq_decode_cand's variants")
     ap.add_argument("--prev", help="a grouped decode module file, timed as 'prev'")
     args = ap.parse_args()
     VERIFY, ERRORS = args.verify, args.errors
@@ -415,16 +411,13 @@ def launchers(env, p: Preset, cell: dict, batch: int) -> dict:
             num_kv_splits=s, **buffers(s), **common
         )
 
-    def cand(name: str):
-        return lambda: env.cand.decode(name, num_kv_splits=s, **buffers(s), **common)
-
     kv = torch.zeros(batch, HK * D, dtype=DTYPE, device=tqlib.DEVICE)
     out = torch.empty(batch, HQ * D, dtype=DTYPE, device=tqlib.DEVICE)
 
     def fwd():
         p.impl.forward(layer, cell["query"], kv, kv, p.runner, cell["meta"], output=out)
 
-    cands = {n: cand(n) for n in env.cand.VARIANTS} if env.cand else {}
+    calls = {"up": up, "new": new, "fwd": fwd}
     if env.prev is not None:  # --prev: its own split count
 
         def prev():
@@ -433,8 +426,8 @@ def launchers(env, p: Preset, cell: dict, batch: int) -> dict:
                 num_kv_splits=sp, **buffers(sp), **common
             )
 
-        cands["prev"] = prev
-    return {"up": up, "new": new, "fwd": fwd, **cands}
+        calls["prev"] = prev
+    return calls
 
 
 def verify_calls(env, p: Preset, cell: dict, batch: int, row: dict) -> dict:
@@ -544,7 +537,7 @@ def peer_and_errors(env, p: Preset, cell: dict, bl: tuple, calls: dict, row) -> 
         calls.update(fns)
         row.update(meta)
     if ERRORS:
-        names = [n for n in ("up", "new", "peer", "peer_mma", *CANDS) if n in calls]
+        names = [n for n in ("up", "new", "peer", "peer_mma", "prev") if n in calls]
         ref = tqpeer.reference_shape(p.impl, p.layer, p.slots, HQ, BLOCK)
         fns = {n: calls[n] for n in names}
         row.update(tqpeer.errors(ref, q, cell["table"], length, fns))
@@ -646,7 +639,7 @@ def table(res: dict) -> str:
     peer = any("peer" in r or "peer_mma" in r for r in rows)
     cols = ("floor_ms", "up", "new", "fwd", "best", "fa2", "fa2v")
     cols += ("peer", "peer_mma") if peer else ()
-    cols += tuple(n for n in CANDS if any(n in r for r in rows))
+    cols += ("prev",) if any("prev" in r for r in rows) else ()
     ratios = ("new/floor", "new/fa2", "up/new") + (
         ("peer/fa2", "new/peer") if peer else ()
     )
@@ -682,7 +675,7 @@ def table(res: dict) -> str:
 
 def error_lines(rows: list) -> list[str]:
     """The relative L2 errors against float64 (--errors), a row a cell."""
-    names = [n for n in ("up", "new", "peer", "peer_mma", *CANDS)
+    names = [n for n in ("up", "new", "peer", "peer_mma", "prev")
              if any(f"err_{n}" in r for r in rows)]  # fmt: skip
     if not names:
         return []
@@ -705,15 +698,9 @@ def main() -> int:
     env = tqlib.use_tree(args.tree)
     import vllm.v1.attention.ops.triton_turboquant_grouped_decode as gd
 
-    env.gd, env.errors, env.cand, env.prev = gd, [], None, None
-    global CANDS
-    if args.cand:
-        import tq_decode_cand
-
-        env.cand, CANDS = tq_decode_cand, tuple(tq_decode_cand.VARIANTS)
+    env.gd, env.errors, env.prev = gd, [], None
     if args.prev:
         env.prev = tqlib.load_module("prev_grouped_decode", args.prev)
-        CANDS += ("prev",)
     env.peer = tqpeer.try_build(args.peer, env.errors) if args.peer else None
     env.ceil = tqlib.ceilings()
     res = {
