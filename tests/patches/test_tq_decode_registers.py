@@ -59,10 +59,9 @@ def env(
 ) -> Iterator[tb.Backend]:
     """The tree's backend for a tiny GQA model (Hq 8, Hk 2, D 128)."""
     shape = tb.Shape(hq=8, hk=2, head=128, preset=PRESETS[request.param])
-    with pytest.MonkeyPatch.context() as mp:
-        model_dir = tmp_path_factory.mktemp(f"tiny_{request.param}")
-        yield tb.open_backend(vllm_tree, model_dir, shape, mp.setattr)
-        tb.close_backend()
+    yield from tb.backend_fixture(
+        vllm_tree, tmp_path_factory, shape, f"tiny_{request.param}"
+    )
 
 
 class Launches:

@@ -59,10 +59,9 @@ def env(
 ) -> Iterator[tb.Backend]:
     """The tree's backend for a tiny GQA model (Hq 4, Hk 1, D 64)."""
     shape = tb.Shape(hq=4, hk=1, head=64, preset=PRESETS[request.param])
-    with pytest.MonkeyPatch.context() as mp:
-        model_dir = tmp_path_factory.mktemp(f"tiny_{request.param}")
-        yield tb.open_backend(vllm_tree, model_dir, shape, mp.setattr)
-        tb.close_backend()
+    yield from tb.backend_fixture(
+        vllm_tree, tmp_path_factory, shape, f"tiny_{request.param}"
+    )
 
 
 # --------------------------------------------------------------------------
@@ -242,10 +241,10 @@ def shape_env(
     preset, key = request.param
     hq, hk, d, block, cached, splits = SHAPES[key]
     shape = tb.Shape(hq=hq, hk=hk, head=d, block=block, preset=PRESETS[preset])
-    with pytest.MonkeyPatch.context() as mp:
-        model_dir = tmp_path_factory.mktemp(f"tiny_{preset}_{key}")
-        yield tb.open_backend(vllm_tree, model_dir, shape, mp.setattr), (cached, splits)
-        tb.close_backend()
+    for env in tb.backend_fixture(
+        vllm_tree, tmp_path_factory, shape, f"tiny_{preset}_{key}"
+    ):
+        yield env, (cached, splits)
 
 
 @pytest.mark.parametrize(

@@ -339,6 +339,16 @@ def close_backend() -> None:
     _vllm_dir = None
 
 
+def backend_fixture(tree: Path, tmp_path_factory: Any, shape: Shape, name: str):
+    """A fixture's body: the tree's backend at ``shape`` (a tiny model in a
+    temporary folder ``name``), yielded, then closed and its platform undone."""
+    import pytest
+
+    with pytest.MonkeyPatch.context() as mp:
+        yield open_backend(tree, tmp_path_factory.mktemp(name), shape, mp.setattr)
+        close_backend()
+
+
 # --------------------------------------------------------------------------
 # Batches
 # --------------------------------------------------------------------------
