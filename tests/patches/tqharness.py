@@ -23,6 +23,8 @@ ci/gpu/tqlib.py):
     vLLM's platform for a source tree (CpuPlatform, or CudaPlatform where
     the tree has its compiled extensions and a GPU is there), installed as
     ``current_platform``; a CPU-only torch gets a no-op ``empty_cache``.
+    CpuPlatform stands for CUDA where the tree gates a kernel on CUDA
+    (``stand_in_for_cuda``).
 ``write_tiny_model(path, ...)``
     A local HF ``config.json`` (Qwen3 architecture, no weights).
 ``make_vllm_config(model_dir, preset=..., block_size=..., max_model_len=...)``
@@ -123,6 +125,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import importlib
 import inspect
 import itertools
 import json
@@ -176,6 +179,31 @@ CPU_FEATURE_PROBES = (
 )
 
 
+GROUPED_DECODE = "vllm.v1.attention.ops.triton_turboquant_grouped_decode"
+
+
+def stand_in_for_cuda(tree: Path, setattr: Any) -> None:
+    """Where the tree decides by platform what runs on CUDA alone, the stand-in
+    platform answers as CUDA: the grouped TurboQuant decode
+    (``_measured_platform``; the real one is its ``__wrapped__``)."""
+    if not (Path(tree) / (GROUPED_DECODE.replace(".", "/") + ".py")).is_file():
+        return
+    gd = importlib.import_module(GROUPED_DECODE)
+    real = getattr(gd, "_measured_platform", None)
+    if real is not None and not hasattr(real, "__wrapped__"):
+
+        def on_cuda() -> bool:
+            return True
+
+        on_cuda.__wrapped__ = real  # type: ignore[attr-defined]
+        setattr(gd, "_measured_platform", on_cuda)
+
+
+def real(func: Any) -> Any:
+    """The function a stand-in replaced (``stand_in_for_cuda``), or ``func``."""
+    return getattr(func, "__wrapped__", func)
+
+
 def install_platform(tree: Path, setattr: Any = setattr) -> Any:
     """Install vLLM's platform for the source tree ``tree`` as
     ``current_platform`` (an uninstalled tree detects none: detection reads
@@ -202,6 +230,8 @@ def install_platform(tree: Path, setattr: Any = setattr) -> Any:
                 setattr(torch.cpu, probe, lambda: False)
     platform = Platform()
     setattr(platforms, "_current_platform", platform)
+    if Platform.__name__ == "CpuPlatform":
+        stand_in_for_cuda(tree, setattr)
     if torch.accelerator.current_accelerator() is None:
         # WorkspaceManager empties the accelerator's cache when it grows.
         setattr(torch.accelerator, "empty_cache", lambda: None)
@@ -316,8 +346,6 @@ def build_tq_attention(
     """``model.layers.{index}.self_attn.attn`` on the TurboQuant backend; by
     default the first layer that boundary protection leaves to TurboQuant
     (dense models keep their first and last layers in the model dtype)."""
-    import importlib
-
     from vllm.config import set_current_vllm_config
     from vllm.model_executor.layers.attention import Attention
 
