@@ -18,6 +18,10 @@
 #              DECODE_ARGS (more of the bench's flags, e.g. --prev FILE)
 #   accuracy   tq_decode_accuracy.py (ACC_ARGS), then the decode bench on
 #              ACC_BENCH_TREES at ACC_BENCH_CELLS
+#   sinks      tq_decode_accuracy.py on trained-model data (--data: sinks,
+#              windows, small/large/outlier values), bf16 (SINK_BF16: more
+#              flags) then fp16 (SINK_FP16), SINK_CAP s each; SINK_PREV=FILE:
+#              another grouped decode module beside the tree's ("prev")
 #   profile    ncu on the grouped decode's stage 1 (PROF_CELL, 32x32768;
 #              PROF_PEER=.peer: vllm#53060's decode kernels too, carry .peer)
 #   upstream   vLLM's own tests of what tq-v0.33 changes, tq33-base against
@@ -133,6 +137,17 @@ part_accuracy() {  # ACC_BASE: v0.33.0's kernel file where tq33-base is not stag
   done
   cat "$OUT"/accuracy/bench_*/tq_decode_table.md "$OUT/accuracy/tq_decode_accuracy.md" 2>/dev/null
 }
+part_sinks() {  # the accuracy suite on trained-model data (issue 51): bf16, then fp16
+  local d args
+  for d in bfloat16 float16; do
+    args=${SINK_BF16:-}; [ $d = float16 ] && args=${SINK_FP16:-}
+    run "sinks_$d" "${SINK_CAP:-280}" $PY ci/gpu/tq_decode_accuracy.py \
+      --tree "$T/tq33-patched" --tree-name patched ${SINK_PREV:+--variant "prev=$SINK_PREV"} \
+      --base-kernel "$T/tq33-base/vllm/v1/attention/ops/triton_turboquant_decode.py" \
+      --out "$OUT/sinks_$d" --deadline $(( ${SINK_CAP:-280} - 40 )) --dtype $d $args $SMALL_ARG
+    cat "$OUT/sinks_$d/tq_decode_accuracy.md" 2>/dev/null
+  done
+}
 part_profile() {  # ncu's details page and SASS opcode mix into $OUT/profile.tar.gz
   local P=$W/profile p k n ncu
   ncu=$(command -v ncu || echo /usr/local/cuda/bin/ncu)
@@ -194,7 +209,7 @@ cp .gpu/MANIFEST "$W/" 2>/dev/null
 ls "$T"
 for part in ${parts//,/ }; do
   case $part in
-    tests|batches|cudagraph|bench|decode|accuracy|profile|upstream) part_$part ;;
+    tests|batches|cudagraph|bench|decode|accuracy|sinks|profile|upstream) part_$part ;;
     none) ;;
     *) echo "run.sh: no part $part" ;;
   esac
