@@ -35,7 +35,8 @@ def parse(spec: str) -> list[tuple[str, str]]:
         attn, _, vals = item.partition(":")
         vals = vals or "normal"
         if attn not in ATTENTION or vals not in VALUES:
-            raise SystemExit(f"--data: {item!r}: ATTN in {ATTENTION}, VALUES in {VALUES}")
+            msg = f"--data: {item!r}: ATTN in {ATTENTION}, VALUES in {VALUES}"
+            raise SystemExit(msg)
         modes.append((attn, vals))
     return modes
 

@@ -377,7 +377,7 @@ def run_cell(env, shape: Shape, num_blocks: int, batch: int, length: int,
             msg = f"{type(e).__name__}: {e}"[:400]
             res = {"err": math.nan, "splits": s, "tokens_per_split": None,
                    "finite": False, "error": msg}  # fmt: skip
-        res["within_bound"] = within(res, row["up"], ref_max) if "bias" in res else False
+        res["within_bound"] = "bias" in res and within(res, row["up"], ref_max)
         row[name] = res
     row["bound"] = limit
     print("  " + brief(row), flush=True)
@@ -386,8 +386,8 @@ def run_cell(env, shape: Shape, num_blocks: int, batch: int, length: int,
 
 
 def brief(row: dict) -> str:
-    parts = [f"{row['data']} {row['preset']} D{row['D']} G{row['GQA']} "
-             f"{row['B']}x{row['L']}"]  # fmt: skip
+    cell = f"{row['preset']} D{row['D']} G{row['GQA']} {row['B']}x{row['L']}"
+    parts = [f"{row['data']} {cell}"]
     for name in ["up", *(k for k in row if isinstance(row.get(k), dict)
                          and k != "up")]:  # fmt: skip
         r = row[name]

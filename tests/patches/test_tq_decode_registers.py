@@ -8,6 +8,10 @@ go through shared memory. Before the patch the dequantized fp16 key and
 value tiles are the MMA's B operand, stored to shared memory every tile;
 with it the tokens are the MMA's M rows, the code bytes go through shared
 memory and are dequantized in each thread's A-operand fragment.
+
+The 4-bit keys' centroids come from a table in inline PTX on CUDA, which
+Triton's interpreter cannot run: an emulator of its few instructions runs
+it here on every four codes.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 import tqbatches as tb
@@ -151,3 +156,98 @@ def test_4bit_codes_dequantized_in_mma_registers(
         f"step ({', '.join(wide)} in {call['kernel']}), the MMA's B operand, "
         f"instead of dequantizing the code bytes in its registers"
     )
+
+
+# --------------------------------------------------------------------------
+# The centroid table in PTX, run here by an emulator of its instructions
+# --------------------------------------------------------------------------
+
+MASK32 = 0xFFFFFFFF
+
+
+def prmt(a: np.ndarray, b: np.ndarray, sel: np.ndarray | int) -> np.ndarray:
+    """PTX ``prmt.b32`` (default mode): byte i of the result is byte
+    ``sel[4i:4i+3]`` of {b, a} (a the low word), or that byte's sign bit
+    replicated where ``sel[4i+3]`` is set."""
+    pool = (b.astype(np.uint64) << np.uint64(32)) | a.astype(np.uint64)
+    sel = np.broadcast_to(np.asarray(sel, dtype=np.uint64), pool.shape)
+    out = np.zeros(pool.shape, dtype=np.uint64)
+    for i in range(4):
+        nib = (sel >> np.uint64(4 * i)) & np.uint64(0xF)
+        byte = (pool >> ((nib & np.uint64(7)) * np.uint64(8))) & np.uint64(0xFF)
+        sign = np.where(byte & np.uint64(0x80), np.uint64(0xFF), np.uint64(0))
+        byte = np.where(nib & np.uint64(8), sign, byte)
+        out |= byte << np.uint64(8 * i)
+    return out.astype(np.uint32)
+
+
+def lop3(a: np.ndarray, b: np.ndarray, c: np.ndarray, lut: int) -> np.ndarray:
+    """PTX ``lop3.b32``: bit i of the result is bit (a_i b_i c_i) of ``lut``."""
+    out = np.zeros_like(a)
+    for k in range(8):
+        if lut >> k & 1:
+            t = [x if k >> s & 1 else ~x for s, x in ((2, a), (1, b), (0, c))]
+            out |= t[0] & t[1] & t[2]
+    return out
+
+
+def ptx_step(op: str, s: list, src: list[str], shape: tuple) -> np.ndarray:
+    """One instruction of ``run_ptx`` on its source values ``s``."""
+    if op == "and.b32":
+        return s[0] & s[1]
+    if op == "or.b32":
+        return s[0] | s[1]
+    if op == "shr.b32":
+        return s[0] >> s[1]
+    if op == "shl.b32":
+        return s[0].astype(np.uint64) << s[1] & MASK32
+    if op == "mov.b32":
+        return np.broadcast_to(s[0], shape)
+    if op == "prmt.b32":
+        return prmt(s[0], s[1], s[2])
+    if op == "lop3.b32":
+        return lop3(s[0], s[1], s[2], int(src[3], 0))
+    raise AssertionError(f"the emulator has no {op}")
+
+
+def run_ptx(ptx: str, codes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The inline PTX of ``_fp16_table_ptx`` on packed codes ($2, uint32):
+    ($0, $1). Only the instructions it uses; anything else is an error."""
+    regs: dict[str, np.ndarray] = {"$2": codes.astype(np.uint32)}
+    body = ptx[ptx.index(";") + 1 : ptx.rindex("}")]  # past the .reg line
+    for ins in filter(None, (i.strip() for i in body.split(";"))):
+        op, args = ins.split(None, 1)
+        d, *src = (x.strip() for x in args.split(","))
+        s = [regs[x] if x in regs else np.uint32(int(x, 0)) for x in src]
+        regs[d] = ptx_step(op, s, src, codes.shape).astype(np.uint32)
+    return regs["$0"], regs["$1"]
+
+
+@pytest.mark.parametrize("head", [64, 128, 256])
+def test_ptx_centroid_table_gives_each_codes_entry(vllm_tree: Path, head: int) -> None:
+    """The PTX the registers stage 1 takes on CUDA for 4-bit keys (a table
+    of the centroids' fp16 high parts, and one of their low parts), run by
+    an emulator of its instructions on every four codes (16**4 words): each
+    code's fp16 entry, in the order the MMA fragment packs them (codes 0
+    and 1 in $0, 2 and 3 in $1, the first in the low half). Triton's
+    interpreter runs no PTX, so the other CPU tests take the gather."""
+    import vllm.v1.attention.ops.triton_turboquant_grouped_decode as gd
+    from vllm.model_executor.layers.quantization.turboquant.centroids import (
+        get_centroids,
+    )
+
+    c = get_centroids(head, 4).float()
+    entries = {"high": c.half(), "low": (c - c.half().float()).half()}
+    tables = dict(zip(entries, gd._centroid_tables_ptx(head, 4)))
+    quads = np.arange(1 << 16, dtype=np.uint32)
+    codes = sum(((quads >> (4 * i)) & 0xF) << (8 * i) for i in range(4))
+    for part, table in tables.items():
+        bits = entries[part].view(torch.int16).numpy().astype(np.uint32) & 0xFFFF
+        want = [bits[(quads >> (4 * i)) & 0xF] for i in range(4)]
+        got = run_ptx(table, codes.astype(np.uint32))
+        pairs = [(got[0] & 0xFFFF, got[0] >> 16), (got[1] & 0xFFFF, got[1] >> 16)]
+        wrong = sum(int((g != w).sum()) for g, w in zip(sum(pairs, ()), want))
+        assert not wrong, (
+            f"the PTX centroid table gives other entries than the centroids' "
+            f"{part} parts: {wrong} of {4 << 16} codes wrong (D {head})"
+        )

@@ -569,6 +569,11 @@ PLATFORMS = {
 }
 
 
+def answer(value: bool) -> Any:
+    """A platform check that answers ``value``."""
+    return lambda: value
+
+
 def test_grouped_decode_only_where_measured(vllm_tree: Path) -> None:
     """The grouped decode is taken only at the shapes it was measured right
     and faster at, and only on CUDA: vLLM's ROCm and XPU platforms route
@@ -582,7 +587,7 @@ def test_grouped_decode_only_where_measured(vllm_tree: Path) -> None:
             if measured is not None:  # the real one, not the CPU stand-in's
                 mp.setattr(gd, "_measured_platform", h.real(measured))
             for check in ("is_cuda", "is_rocm", "is_xpu", "is_cpu", "is_cuda_alike"):
-                mp.setattr(current_platform, check, lambda a=answers.get(check): bool(a))
+                mp.setattr(current_platform, check, answer(answers.get(check, False)))
             taken = [takes_grouped(*s) for s in GROUPED]
             assert taken == [name == "cuda"] * len(GROUPED), f"grouped on {name}"
             if name == "cuda":
