@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import errno
 import os
+import signal
 from pathlib import Path
 
 from .commands import cmd_base, cmd_check, cmd_format_patch, cmd_test
@@ -168,8 +169,26 @@ def add_format_patch_command(sub: argparse._SubParsersAction) -> None:
     f.add_argument("--out")
 
 
+class Terminated(BaseException):
+    """SIGTERM, raised where the main thread is, as Ctrl-C's KeyboardInterrupt."""
+
+
+def terminated(signum: int, frame: object) -> None:
+    raise Terminated
+
+
+def interrupted(code: int) -> int:
+    """Ctrl-C or SIGTERM: every test run it started ends, one line, 130/143."""
+    from . import warm
+
+    warm.stop_all()
+    say("apply.py: interrupted; the next run clears what this one left in its cache")
+    return code
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
+    signal.signal(signal.SIGTERM, terminated)
     try:
         if getattr(args, "json", None):  # before the work, not after it
             writable_output(Path(args.json), "--json")
@@ -189,4 +208,6 @@ def main(argv: list[str] | None = None) -> int:
         say(f"apply.py: error: {e.strerror}{where}: free space or fix the disk")
         return 2
     except KeyboardInterrupt:
-        return 130
+        return interrupted(130)
+    except Terminated:
+        return interrupted(143)

@@ -7,6 +7,8 @@ forks each run from a process that has those loaded, while vLLM's own
 modules are imported fresh in every run, from its tree. The output, exit
 status and timeout are those of ``python -m pytest`` run in a subprocess.
 ``VLLM_PATCHES_WARM=0`` runs each in a fresh interpreter instead.
+``stop_all`` (apply.py interrupted) ends every server and the run it forked,
+and no new one starts.
 """
 
 from __future__ import annotations
@@ -24,6 +26,20 @@ from .core import say
 
 SERVER = Path(__file__).with_name("warm_server.py")
 _local = threading.local()
+_servers: weakref.WeakSet[Server] = weakref.WeakSet()
+_stopping = threading.Event()
+
+
+class Interrupted(Exception):
+    """A run asked for after ``stop_all``: the lane stops quietly."""
+
+
+def stop_all() -> None:
+    """Every warm interpreter ends, with the run it forked (SIGTERM: the
+    server kills the run's process group first); none starts after."""
+    _stopping.set()
+    for server in list(_servers):
+        server.close()
 
 
 def enabled() -> bool:
@@ -44,6 +60,7 @@ class Server:
         )
         # the lane's thread-local copy goes with its thread, and this with it
         self.close = weakref.finalize(self, shutdown, self.proc)
+        _servers.add(self)
         self.answer()
 
     def answer(self) -> dict:
@@ -67,9 +84,14 @@ class Server:
 
 
 def shutdown(proc: subprocess.Popen) -> None:
-    """Stop the server (it holds no state; it may be preloading)."""
+    """Stop the server (it holds no state; it may be preloading): SIGTERM,
+    on which it kills the run in progress, then SIGKILL if it hangs."""
     if proc.poll() is None:
-        proc.kill()
+        proc.terminate()
+        try:
+            proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            proc.kill()
     proc.wait()
     for pipe in (proc.stdin, proc.stdout):
         if pipe is not None:
@@ -83,12 +105,16 @@ def run_pytest(
     """`python -m pytest argv` in `cwd` with `env`, forked from this lane's
     warm interpreter; raises subprocess.TimeoutExpired as subprocess.run."""
     start = {k: v for k, v in env.items() if k != "PYTHONPATH"}
+    if _stopping.is_set():
+        raise Interrupted("apply.py was interrupted")
     server = getattr(_local, "server", None)
     if server is None or server.python != python or server.proc.poll() is not None:
         server = _local.server = Server(python, start)
     try:
         rc, output = server.run(argv, cwd, env, timeout)
     except OSError as e:  # it died: the run once more, from a new one
+        if _stopping.is_set():
+            raise Interrupted("apply.py was interrupted") from e
         say(f"apply.py: {e}; starting another")
         server.close()
         server = _local.server = Server(python, start)

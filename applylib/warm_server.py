@@ -11,7 +11,9 @@ the next child finds them loaded: vLLM's own modules are always imported
 fresh, from the tree the request names.
 
 It stops preloading, and says so, if an import started a thread (a fork
-would copy a lock another thread holds); it exits when stdin closes.
+would copy a lock another thread holds); it exits when stdin closes. It
+ignores Ctrl-C (its caller decides); on SIGTERM, or when its caller is gone,
+it ends the running child's process group first, then itself.
 """
 
 from __future__ import annotations
@@ -27,10 +29,21 @@ import threading
 import time
 
 LEARNED = "VLLM_PATCHES_WARM_MODULES"
+RUNNING: list[int] = []  # the process group of the run in progress
+
+
+def stop(signum: int = signal.SIGTERM, frame: object = None) -> None:
+    """End the run in progress and whatever it started, then this process."""
+    for pid in RUNNING:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(pid, signal.SIGKILL)
+    os._exit(128 + signum)
 
 
 def child(req: dict) -> None:
     os.setpgrp()  # a timeout kills the run and whatever it started
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
     fd = os.open(req["out"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     os.dup2(fd, 1)
     os.dup2(fd, 2)
@@ -82,12 +95,14 @@ def preload(names: list[str], environ: dict[str, str] | None = None) -> bool:
     return threading.active_count() == 1
 
 
-def wait(pid: int, timeout: float) -> int | None:
+def wait(pid: int, timeout: float, caller: int) -> int | None:
     end = time.monotonic() + timeout
     while True:
         done, status = os.waitpid(pid, os.WNOHANG)
         if done:
             return os.waitstatus_to_exitcode(status)
+        if os.getppid() != caller:  # the caller was killed: nobody to answer
+            stop()
         if time.monotonic() > end:
             os.killpg(pid, signal.SIGKILL)
             os.waitpid(pid, 0)
@@ -96,6 +111,9 @@ def wait(pid: int, timeout: float) -> int | None:
 
 
 def main() -> None:
+    caller = os.getppid()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, stop)
     warm = preload(["pytest"])
     print(json.dumps({"ready": True}), flush=True)
     for line in sys.stdin:
@@ -103,7 +121,9 @@ def main() -> None:
         pid = os.fork()
         if pid == 0:
             child(req)
-        code = wait(pid, req["timeout"])
+        RUNNING[:] = [pid]
+        code = wait(pid, req["timeout"], caller)
+        RUNNING.clear()
         learned = None
         if warm and os.path.exists(req["modules"]):
             with open(req["modules"]) as fh:  # read before the answer: the
