@@ -716,11 +716,13 @@ def decode_kernels(
     pad: int = 0,
     old_splits: int | None = 32,
     grouped: bool = True,
+    mid_o_buf: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """v0.33.0's TurboQuant decode kernel (``old_splits``: its default; None
-    when not run) and the grouped one (``splits``; None when not ``grouped``)
-    on a decode batch's cache, with ``pad`` rows of no tokens appended
-    (CUDA-graph padding): their (B + pad, Hq, D)."""
+    when not run) and the grouped one (``splits``; None when not ``grouped``;
+    its stage 1's fp32 partials in ``mid_o_buf`` where given) on a decode
+    batch's cache, with ``pad`` rows of no tokens appended (CUDA-graph
+    padding): their (B + pad, Hq, D)."""
     from vllm.v1.attention.ops.triton_turboquant_decode import (
         triton_turboquant_decode_attention,
     )
@@ -747,7 +749,9 @@ def decode_kernels(
         triton_turboquant_grouped_decode_attention,
     )
 
-    new = triton_turboquant_grouped_decode_attention(num_kv_splits=splits, **args)
+    new = triton_turboquant_grouped_decode_attention(
+        num_kv_splits=splits, mid_o_buf=mid_o_buf, **args
+    )
     return old, new
 
 
