@@ -23,13 +23,14 @@ from .core import (
     TOOL_NAME,
     UPSTREAM_URL,
     UserError,
-    disk_full,
+    failed,
     git,
     git_common_dir,
     gout,
     open_repo,
     probe_writable,
     rev_commit,
+    room,
     say,
 )
 from .pinned import pinned_files, read_pinned
@@ -60,30 +61,46 @@ def writable_cache(path: Path) -> Path:
             f"the tool's cache {path} is not writable ({e.strerror}): "
             "set VLLM_PATCHES_CACHE to a writable directory"
         ) from None
-    need = int(os.environ.get("VLLM_PATCHES_MIN_FREE_MB", "2048"))
-    free = shutil.disk_usage(path).free // 2**20
-    if free < need:
-        raise UserError(
-            f"the tool's cache {path} has {free} MB free, a base needs about "
-            f"{need} MB: free space, or set VLLM_PATCHES_CACHE to a disk with room"
-        )
+    hint = "free space, or set VLLM_PATCHES_CACHE to a disk with room"
+    room(path, min_free_mb(), "the tool's cache", hint)
     return path
 
 
+def min_free_mb() -> int:
+    """The room a run needs in the cache ($VLLM_PATCHES_MIN_FREE_MB, 2048:
+    a release wheel, its commit and the worktrees)."""
+    return int(os.environ.get("VLLM_PATCHES_MIN_FREE_MB", "2048"))
+
+
 @contextlib.contextmanager
-def locked(name: str):
-    """One run at a time per repository: the worktrees are shared state."""
+def locked(name: str, what: str = "its repository"):
+    """One run at a time on `name` (a repository: the worktrees are shared
+    state; the cache's creation; its downloads): a run that finds it busy
+    says so and waits."""
     d = cache_dir() / "locks"
     d.mkdir(parents=True, exist_ok=True)
-    with open(d / f"{name}.lock", "w") as fh:
-        fcntl.flock(fh, fcntl.LOCK_EX)
+    with open(d / f"{name}.lock", "a+") as fh:
+        try:
+            fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            fh.seek(0)
+            holder = fh.read().strip() or "?"
+            say(f"apply.py: waiting for another run (pid {holder}) using {what}")
+            fcntl.flock(fh, fcntl.LOCK_EX)
+        fh.seek(0)
+        fh.truncate()
+        fh.write(str(os.getpid()))
+        fh.flush()
         yield
 
 
 def repo_lock(repo: Path) -> str:
     """The name of `repo`'s lock (`locked`): one per repository, however
-    it is reached (a worktree, a path with a link)."""
-    return hashlib.sha1(str(git_common_dir(repo)).encode()).hexdigest()[:10]
+    it is reached (a worktree, a path with a link). The run writes there
+    (the patched commits): its filesystem is checked for room."""
+    common = git_common_dir(repo)
+    room(common, min(min_free_mb(), 64), "the repository", "free space there")
+    return hashlib.sha1(str(common).encode()).hexdigest()[:10]
 
 
 def ref_label(rev: str) -> str:
@@ -198,17 +215,23 @@ def built_base(rev: str, python: str | None) -> Base | None:
         f"Built-Version: {version}\n" + (f"Upstream-Commit: {up}\n" if up else "")
     )
     c = import_files(repo, files, msg)
-    git("update-ref", f"refs/{TOOL_NAME}/built/{ref_label(label)}", c, cwd=repo)
+    with locked("releases", "the cache's releases"):
+        git("update-ref", f"refs/{TOOL_NAME}/built/{ref_label(label)}", c, cwd=repo)
     source = "installed" if rev == "installed" else "wheel"
     return Base(repo, ref_label(label), c, source, up)
 
 
 def cache_repo() -> Path:
+    """The cache's bare repository, made whole before any run sees it."""
     repo = cache_dir() / "vllm.git"
-    if not (repo / "HEAD").exists():
-        repo.parent.mkdir(parents=True, exist_ok=True)
-        git("init", "-q", "--bare", str(repo))
-        git("config", "gc.auto", "0", cwd=repo)
+    if (repo / "HEAD").exists():
+        return repo
+    with locked("cache", "the new cache"):
+        if not (repo / "HEAD").exists():
+            tmp = Path(tempfile.mkdtemp(dir=repo.parent, prefix=".vllm.git-"))
+            git("init", "-q", "--bare", str(tmp))
+            git("config", "gc.auto", "0", cwd=tmp)
+            os.replace(tmp, repo)
     return repo
 
 
@@ -235,7 +258,7 @@ def with_pinned_base(
     `python`: whose vLLM `--base installed` means."""
     base = resolve_base(stack, rev, user_repo, offline, fetched, python)
     pinned = None
-    if rev is not None:
+    if rev is not None and not is_pinned_release(stack, base, rev, python):
         if base.source in BUILT:  # in the cache repository, where its pin goes
             user_repo = None
         with contextlib.suppress(BaseUnavailable):
@@ -243,6 +266,14 @@ def with_pinned_base(
     if pinned is not None and (pinned.repo, pinned.commit) == (base.repo, base.commit):
         pinned = None
     return base, pinned
+
+
+def is_pinned_release(stack: Stack, base: Base, rev: str, python: str | None) -> bool:
+    """A built vLLM (wheel, installed) of the very release the stack is
+    pinned to: its files are the pin's, none to download for the 3-way."""
+    known = built_version(rev, python) if base.source in BUILT else None
+    pin = RELEASE_TAG.match(stack.pins.get("tag") or "")
+    return bool(known and pin and known[1] == pin.group(1))
 
 
 def resolve_base(
@@ -324,10 +355,11 @@ def find_base(
                 f"stack pins {pin}"
             )
         return Base(repo, shown, c, "pypi", up)
-    if rev and re.fullmatch(r"[0-9a-f]{7,40}", rev) is None and not errors:
+    if rev:  # what the user asked for cannot be had: their input, exit 2
+        where = f"; {errors[0]}" if errors else ""
         raise UserError(
-            f"unknown revision '{rev}': not a release (vX.Y.Z) and "
-            "no repository given (--repo)"
+            f"unknown revision '{rev}': not a release (vX.Y.Z), not in the "
+            f"cache{where}: give --repo a clone that has it"
         )
     raise BaseUnavailable(
         "; ".join(errors) or f"base {shown} is not a release and not cached",
@@ -383,9 +415,13 @@ def release_wheel(version: str) -> Path:
     """The official wheel of a release: from the cache, or downloaded by pip."""
     dist = cache_dir() / "dist"
     dist.mkdir(parents=True, exist_ok=True)
-    found = sorted(dist.glob(f"vllm-{version}-*.whl"))
-    if found:
-        return found[0]
+    with locked(f"dist-{version}", f"the download of vllm {version}"):
+        found = sorted(dist.glob(f"vllm-{version}-*.whl"))
+        return found[0] if found else download_wheel(version, dist)
+
+
+def download_wheel(version: str, dist: Path) -> Path:
+    """pip download the release's wheel into `dist`, whole or not at all."""
     t0 = time.monotonic()
     with tempfile.TemporaryDirectory(dir=dist) as tmp:
         cmd = [
@@ -403,26 +439,9 @@ def release_wheel(version: str) -> Path:
             tmp,
             f"vllm=={version}",
         ]
-        proc = subprocess.Popen(
-            cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-        )
-        assert proc.stdout is not None
-        tail, versions = [], None
-        for line in proc.stdout:
-            line = line.rstrip()
-            if line.startswith("WARNING: Location"):
-                continue
-            tail = (tail + [line])[-5:]
-            if line.startswith("Collecting"):  # pip found the release
-                say(
-                    f"apply.py: downloading the vllm {version} release wheel "
-                    f"with pip (250-340 MB, once; cached in {dist})"
-                )
-            if line.startswith(("Collecting", "Downloading", "Saved")):
-                say(f"  pip: {line.strip()}")
-            versions = index_versions(line) or versions
-        if proc.wait() != 0:
-            disk_full(f"pip download vllm=={version}", "\n".join(tail))
+        rc, tail, versions = pip_download(cmd, version, dist)
+        if rc != 0:
+            failed(f"pip download vllm=={version}", rc, "\n".join(tail))
             if versions:  # the index answered, without this release
                 raise UserError(
                     f"vllm {version} is not a release with a wheel for Linux "
@@ -446,6 +465,36 @@ def release_wheel(version: str) -> Path:
     return final
 
 
+def pip_download(cmd: list[str], version: str, dist: Path):
+    """Run pip download, saying what it fetches: (exit status, its last
+    lines, the releases the index listed when it lacks this one). An
+    interrupt ends pip too."""
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    assert proc.stdout is not None
+    tail, versions = [], None
+    try:
+        for line in proc.stdout:
+            line = line.rstrip()
+            if line.startswith("WARNING: Location"):
+                continue
+            tail = (tail + [line])[-5:]
+            if line.startswith("Collecting"):  # pip found the release
+                say(
+                    f"apply.py: downloading the vllm {version} release wheel "
+                    f"with pip (250-340 MB, once; cached in {dist})"
+                )
+            if line.startswith(("Collecting", "Downloading", "Saved")):
+                say(f"  pip: {line.strip()}")
+            versions = index_versions(line) or versions
+        return proc.wait(), tail, versions
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
 def materialize_release(repo: Path, version: str, wheel: Path | None = None) -> str:
     """Commit a release's Python sources (from its wheel) as tag vX.Y.Z.
 
@@ -458,7 +507,14 @@ def materialize_release(repo: Path, version: str, wheel: Path | None = None) -> 
     c = rev_commit(repo, f"refs/tags/{tag}")
     if c:
         return c
-    wheel = wheel or release_wheel(version)
+    with locked("releases", "the cache's releases"):
+        return rev_commit(repo, f"refs/tags/{tag}") or commit_release(
+            repo, version, wheel or release_wheel(version)
+        )
+
+
+def commit_release(repo: Path, version: str, wheel: Path) -> str:
+    tag = f"v{version}"
     say(f"apply.py: committing {wheel.name} as {tag} in {repo}")
     files = wheel_files(wheel)
     upstream = version_commit(files)
@@ -518,7 +574,8 @@ def assemble_base(stack: Stack, fetched: Path) -> Base:
     }
     msg = ("\n".join(lines) + "\n").encode()
     c = gout("commit-tree", tree, "-p", rel, cwd=repo, env=ident, input=msg)
-    git("update-ref", f"refs/{TOOL_NAME}/assembled/{stack.name}", c, cwd=repo)
+    with locked("releases", "the cache's releases"):
+        git("update-ref", f"refs/{TOOL_NAME}/assembled/{stack.name}", c, cwd=repo)
     files = [dataclasses.asdict(f) for f in taken]
     return Base(
         repo,

@@ -18,8 +18,9 @@ from .series import Series, Stack, release_key, short_name
 NOT_A_RELEASE = re.compile(r"^v?\d+\.\d+$")
 
 # a stack's patches applied on the base without tests: the files of those
-# that do not apply there, or None where the base cannot be had
-DryApply = Callable[[Stack], "list[str] | None"]
+# that do not apply there, each with the file it changes that the base lacks
+# ("" if none), or None where the base cannot be had
+DryApply = Callable[[Stack], "dict[str, str] | None"]
 
 
 def stack_pin(stack: Stack) -> str:
@@ -43,6 +44,12 @@ def stacks_for_base(
             f"--base {args.base}: not a release (releases are vX.Y.Z, "
             "e.g. v0.33.0) nor a revision of a --repo"
         )
+    built = args.base == "installed" or str(args.base).endswith(".whl")
+    if args.base and user_repo is not None and not built:
+        tag = RELEASE_TAG.match(args.base)
+        forms = [args.base] + ([f"v{tag.group(1)}"] if tag else [])
+        if not any(rev_commit(user_repo, r) for r in forms):
+            raise UserError(f"unknown revision '{args.base}' in {user_repo}")
     if args.stack:
         return [series.stack(args.stack)]
     if not args.base or len(series.stacks) == 1:
@@ -120,12 +127,16 @@ def between_pins(around: tuple[Stack, Stack], release: str, dry: DryApply) -> St
         if failed is None:
             say(f"apply.py:   '{stack.name}': its base is unavailable")
             continue
-        port = [short_name(f) for f in failed]
-        n, of = len(stack.patches) - len(port), len(stack.patches)
+        port = [short_name(f) for f, gone in failed.items() if not gone]
+        n, of = len(stack.patches) - len(failed), len(stack.patches)
         need = f"; {', '.join(port)} need a port" if port else ""
+        for gone in sorted(set(failed.values()) - {""}):
+            which = [short_name(f) for f, g in failed.items() if g == gone]
+            need += f"; {', '.join(which)} not applicable (no {gone} there)"
         say(f"apply.py:   '{stack.name}': {n} of {of} patches apply{need}")
         if not port:
-            say(f"apply.py: using stack '{stack.name}', which applies whole")
+            whole = "applies whole" if not failed else "applies where it can"
+            say(f"apply.py: using stack '{stack.name}', which {whole}")
             return stack
         tried.append((stack, n))
     if not tried:

@@ -201,11 +201,11 @@ def main(argv: list[str] | None = None) -> int:
     except GitError as e:
         say(f"apply.py: error: {e}")
         return 2
-    except OSError as e:  # the disk, not the input: one line, exit 2
-        if e.errno not in (errno.ENOSPC, errno.EDQUOT, errno.EROFS):
-            raise
+    except OSError as e:  # the environment, not the input: one line, exit 2
         where = f" ({e.filename})" if e.filename else ""
-        say(f"apply.py: error: {e.strerror}{where}: free space or fix the disk")
+        disk = e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EROFS)
+        fix = "free space or fix the disk" if disk else "fix it and run again"
+        say(f"apply.py: error: {e.strerror or e}{where}: {fix}")
         return 2
     except KeyboardInterrupt:
         return interrupted(130)

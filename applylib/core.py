@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import os
 import re
+import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -131,19 +134,89 @@ class UserError(Exception):
     """Bad input or environment: exit 2 with one line on stderr."""
 
 
-# what git and pip print when the disk or a quota is full: an environment
-# fault, never a patch's conflict or a base's absence
-DISK_FULL = ("No space left on device", "Disk quota exceeded")
+# what git and pip print when a disk or a quota is full or read-only: an
+# environment fault, never a patch's conflict or a base's absence
+DISK_FULL = (
+    "No space left on device",
+    "Disk quota exceeded",
+    "Out of diskspace",
+    "Read-only file system",
+    "[Errno 28]",
+    "[Errno 122]",
+    "[Errno 30]",
+)
+
+
+# where this run writes (the cache, the user's repository, the build folder,
+# --json): a failed git or pip that leaves one of them nearly full was the
+# disk's fault, whatever it printed
+PLACES: dict[Path, str] = {}
+NEARLY_FULL = 2 * 2**20  # bytes
+
+
+def writes_to(path: Path, what: str) -> None:
+    """Record `path` (`what`: the cache, the repository ...) as written by
+    this run, for disk_full to name when it fills up."""
+    PLACES.setdefault(path, what)
+
+
+def free_bytes(path: Path) -> int | None:
+    for p in (path, *path.parents):
+        try:
+            return shutil.disk_usage(p).free
+        except OSError:
+            continue
+    return None
+
+
+def room(path: Path, need_mb: int, what: str, hint: str) -> None:
+    """Refuse to start on a read-only filesystem or one with less than
+    `need_mb` MB free (0: no check)."""
+    writes_to(path, what)
+    if need_mb <= 0:
+        return
+    with contextlib.suppress(OSError):
+        if os.statvfs(path).f_flag & os.ST_RDONLY:
+            raise UserError(f"{what} {path} is on a read-only file system")
+    free = free_bytes(path)
+    if free is not None and free // 2**20 < need_mb:
+        raise UserError(
+            f"{what} {path} has {free // 2**20} MB free, the run needs about "
+            f"{need_mb} MB there: {hint}"
+        )
+
+
+# git commands that write nothing: their failures are answers, not faults
+READS = {"rev-parse", "cat-file", "describe", "log", "show", "ls-files", "diff",
+         "ls-tree", "for-each-ref", "merge-base", "rev-list", "format-patch",
+         "config", "symbolic-ref", "status"}  # fmt: skip
 
 
 def disk_full(what: str, output: str) -> None:
-    """Raise UserError when `output` says the disk is full."""
-    for line in output.splitlines():
-        if any(m in line for m in DISK_FULL):
-            raise UserError(
-                f"{what}: {line.strip()}: free space, or set VLLM_PATCHES_CACHE "
-                "to a disk with room"
-            )
+    """Raise UserError when `what` failed for want of room: `output` says
+    a disk is full or read-only, or (a command that writes) a place the run
+    writes is nearly full. Every failure of a git or pip is put through
+    this before any fallback."""
+    said = [line.strip() for line in output.splitlines()]
+    said = [line for line in said if any(m in line for m in DISK_FULL)]
+    full = {}
+    writes = what.split()[-1] not in READS if what.startswith("git ") else True
+    for path, name in PLACES.items() if writes else ():
+        free = free_bytes(path)
+        if free is not None and free < NEARLY_FULL:
+            full[path] = (name, free)
+    if not said and not full:
+        return
+    if full:
+        path, (name, free) = min(full.items(), key=lambda kv: kv[1][1])
+        where = f"{name} {path} has {free // 1024} KB free"
+    else:
+        where = "a disk is full or read-only"
+    why = f" ({said[0]})" if said else ""
+    raise UserError(
+        f"{what} failed: {where}{why}: free space there (or set "
+        "VLLM_PATCHES_CACHE to a disk with room) and run again"
+    )
 
 
 def say(msg: str) -> None:
@@ -184,11 +257,26 @@ def git(
         check=False,
     )
     if proc.returncode != 0:
-        disk_full(" ".join(cmd[:2]), proc.stderr.decode(errors="replace"))
+        failed(f"git {args[0]}", proc.returncode, proc.stdout + proc.stderr)
     if check and proc.returncode != 0:
         err = proc.stderr.decode(errors="replace").strip().splitlines()
-        raise GitError(" ".join(cmd[:6]), proc.returncode, err[-1] if err else "")
+        raise GitError(
+            f"git {' '.join(args[:4])}", proc.returncode, err[-1] if err else ""
+        )
     return proc
+
+
+def failed(what: str, rc: int, output: bytes | str) -> None:
+    """Classify a failed git or pip before anything reads it as a verdict:
+    killed by a signal, or short of disk (disk_full), is exit 2."""
+    if rc == -signal.SIGINT:  # Ctrl-C reached it first: the run's interrupt
+        raise KeyboardInterrupt
+    if rc < 0:
+        name = signal.Signals(-rc).name if -rc in signal.valid_signals() else -rc
+        raise UserError(f"{what} was killed ({name}): run again")
+    if isinstance(output, bytes):
+        output = output.decode(errors="replace")
+    disk_full(what, output)
 
 
 class GitError(Exception):
@@ -301,6 +389,7 @@ def probe_writable(folder: Path) -> None:
 def writable_output(path: Path, flag: str) -> None:
     """Refuse an output path the run could not write, before the run."""
     target = path.expanduser().resolve()
+    writes_to(target.parent, f"{flag}'s folder")
     try:
         if target.is_dir():
             raise IsADirectoryError(21, "is a directory")

@@ -614,14 +614,34 @@ def dry_apply(series: Series, user_repo: Path | None, args: argparse.Namespace):
     neighbouring stacks): the files of its patches that do not apply, or
     None where the base cannot be had."""
 
-    def run(stack: Stack) -> list[str] | None:
+    def run(stack: Stack) -> dict[str, str] | None:
         with locked(repo_lock(user_repo or cache_repo())):
             base, res, _ = try_apply(series, stack, args.base, user_repo, args, "dry")
         if base is None:
             return None
-        return [f for f, r in res.items() if r.apply not in APPLIED]
+        failed = [
+            load_patch(series, f) for f, r in res.items() if r.apply not in APPLIED
+        ]
+        return {p.file: missing_file(base, p) for p in failed}
 
     return run
+
+
+def missing_file(base: Base, patch: Patch) -> str:
+    """A file `patch` changes (not one it adds) that `base` does not have:
+    the component it fixes is not there ("not applicable"); "" if none."""
+    added = set(
+        re.findall(
+            r"^diff --git a/\S+ b/(\S+)\nnew file mode",
+            patch.raw.decode(errors="replace"),
+            re.MULTILINE,
+        )
+    )
+    for f in patch.files:
+        have = git("cat-file", "-e", f"{base.commit}:{f}", cwd=base.repo, check=False)
+        if f not in added and have.returncode != 0:
+            return f
+    return ""
 
 
 def try_apply(

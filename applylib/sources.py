@@ -5,12 +5,14 @@ identity and date, so the same files give the same commit id everywhere."""
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import tempfile
+import zlib
 from pathlib import Path
 
-from .core import BASE_DATE, IDENTITY, TOOL_NAME, UserError, git, gout
+from .core import BASE_DATE, IDENTITY, TOOL_NAME, UserError, failed, git, gout
 
 COMPILED = re.compile(r"\.so(\.\d+)*$")
 File = tuple[str, str, bytes]  # path, mode, data
@@ -21,12 +23,18 @@ def wheel_files(wheel: Path) -> list[File]:
     import zipfile
 
     out = []
-    with zipfile.ZipFile(wheel) as zf:
-        for info in sorted(zf.infolist(), key=lambda i: i.filename):
-            n = info.filename
-            if n.startswith("vllm/") and not n.endswith("/") and not COMPILED.search(n):
+    try:
+        with zipfile.ZipFile(wheel) as zf:
+            for info in sorted(zf.infolist(), key=lambda i: i.filename):
+                n = info.filename
+                if not n.startswith("vllm/") or n.endswith("/") or COMPILED.search(n):
+                    continue
                 x = (info.external_attr >> 16) & 0o111
                 out.append((n, "100755" if x else "100644", zf.read(n)))
+    except (zipfile.BadZipFile, zlib.error, EOFError) as e:
+        raise UserError(
+            f"{wheel}: not a whole wheel ({e}): delete it or download it again"
+        ) from None
     if not out:
         raise UserError(f"{wheel}: no vllm/ sources inside")
     return out
@@ -60,10 +68,11 @@ def import_files(repo: Path, files: list[File], msg: str) -> str:
     """One root commit of `files`, with fixed author, committer and date:
     the same files and message give the same commit id everywhere."""
     data = msg.encode()
+    ref = f"refs/{TOOL_NAME}/import-{os.getpid()}"  # runs side by side
     ident = f"{IDENTITY[0]} <{IDENTITY[1]}> {BASE_DATE}"
     with tempfile.TemporaryFile() as stream:
         stream.write(
-            f"commit refs/{TOOL_NAME}/import\nauthor {ident}\ncommitter {ident}\n"
+            f"commit {ref}\nauthor {ident}\ncommitter {ident}\n"
             f"data {len(data)}\n".encode()
             + data
             + b"deleteall\n"
@@ -81,8 +90,9 @@ def import_files(repo: Path, files: list[File], msg: str) -> str:
             check=False,
         )
     if fi.returncode != 0:
+        failed("git fast-import", fi.returncode, fi.stderr)
         err = fi.stderr.decode(errors="replace").strip().splitlines()
         raise UserError(f"git fast-import failed: {err[-1] if err else '?'}")
-    c = gout("rev-parse", f"refs/{TOOL_NAME}/import", cwd=repo)
-    git("update-ref", "-d", f"refs/{TOOL_NAME}/import", cwd=repo)
+    c = gout("rev-parse", ref, cwd=repo)
+    git("update-ref", "-d", ref, cwd=repo)
     return c

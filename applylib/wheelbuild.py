@@ -28,8 +28,10 @@ from .bases import (
 from .core import (
     BASE_DATE,
     UserError,
+    failed,
     git,
     gout,
+    room,
     say,
 )
 from .pinned import fetched_dir
@@ -92,6 +94,7 @@ def check_wheel_tool(python: str) -> None:
 def wheel_step(python: str, *args: str) -> None:
     proc = wheel_cli(python, *args)
     if proc.returncode != 0:
+        failed(f"wheel {args[0]}", proc.returncode, proc.stdout + proc.stderr)
         last = (proc.stderr.strip().splitlines() or ["?"])[-1]
         raise UserError(f"wheel {args[0]} failed: {last}")
 
@@ -254,6 +257,7 @@ def cmd_wheel(args: argparse.Namespace) -> int:
     src_sha256 = file_sha256(job.src)
     out_dir = Path(args.out).expanduser().resolve()
     out_dir.mkdir(parents=True, exist_ok=True)
+    room(out_dir, 2 * src_size // 2**20 + 1, "the wheel's folder", "free space")
     say(
         f"apply.py wheel: {job.src.name} + stack {job.stack.name} "
         f"({len(job.patches)} patch(es), {len(tree.changes)} file(s)) -> "
