@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import re
 import shlex
 import shutil
@@ -23,6 +24,7 @@ from .bases import (
     worktree,
 )
 from .core import (
+    IDENTITY,
     REF_NS,
     UserError,
     command,
@@ -95,6 +97,13 @@ def vllm_test_dir(repo: Path, rev: str, patch: Patch) -> str:
 
 
 def git_identity(repo: Path) -> tuple[str, str] | None:
+    """The submitter: $GIT_AUTHOR_NAME / _EMAIL, else $GIT_COMMITTER_*,
+    else git's user.name and user.email (as git commit takes them)."""
+    for who in ("AUTHOR", "COMMITTER"):
+        name = os.environ.get(f"GIT_{who}_NAME", "").strip()
+        email = os.environ.get(f"GIT_{who}_EMAIL", "").strip()
+        if name and email:
+            return name, email
     name = git("config", "user.name", cwd=repo, check=False).stdout.decode()
     email = git("config", "user.email", cwd=repo, check=False).stdout.decode()
     if name.strip() and email.strip():
@@ -166,6 +175,7 @@ def cmd_export(args: argparse.Namespace) -> int:
         update=pr.tests.update,
         body_file=body_file,
         patch_file=patch_file,
+        onto=args.onto or "",
     )
     report_export(exported, job.patch, pr.dropped, signoff, stem)
     if args.run_tests:
@@ -303,8 +313,9 @@ def carry_onto(
     signoff: tuple[str, str],
 ) -> PrCommit | None:
     """The PR commit cherry-picked onto `onto` (name, commit): vLLM's main or
-    any commit of the repository. None, naming where it conflicts, when it
-    does not apply there."""
+    any commit of the repository, with the patch's update of vLLM's tests
+    where the PR's base had not those tests and `onto` has. None, naming
+    where it conflicts, when it does not apply there."""
     name, commit = onto
     wt = worktree(base.repo, f"{job.stack.name}-export-onto", commit)
     date = gout("log", "-1", "--format=%cd", "--date=raw", pr.commit, cwd=wt)
@@ -322,8 +333,14 @@ def carry_onto(
         why = "conflicts at " + ", ".join(spots) if spots else (err or ["?"])[0]
         print(f"{job.entry} does not apply on {name} ({commit[:12]}): {why}")
         return None
+    tests = pr.tests
+    if tests.update.startswith(f"{upstream_diff(job.entry)} not carried"):
+        tests = dataclasses.replace(tests, update=carry_test_update(job, wt))
+        if "applied" in tests.update:  # this tree has vLLM's tests: amend
+            amend = ["commit", "-q", "--amend", "--no-edit", "--no-verify"]
+            git(*amend, cwd=wt, env=env, config=("commit.gpgSign=false",))
     moved = gout("rev-parse", "HEAD", cwd=wt)
-    return dataclasses.replace(pr, commit=moved, parent=commit, wt=wt)
+    return dataclasses.replace(pr, commit=moved, parent=commit, wt=wt, tests=tests)
 
 
 def conflict_spots(wt: Path) -> list[str]:
@@ -535,12 +552,16 @@ def pr_commit(
     signoff: tuple[str, str],
     tree: str | None = None,
 ) -> str:
-    """The staged tree (or `tree`) committed on `parent` with the PR message:
-    the patch's author and date, committed by the one signing off."""
+    """The staged tree (or `tree`) committed on `parent` with the PR message,
+    committed by the one signing off; its author is the patch's where that
+    is a person (a backport's), else (the series' own identity) the one
+    signing off: vLLM's DCO check matches the author to a sign-off."""
     tree = tree or gout("write-tree", cwd=wt)
     who = gout(
         "log", "-1", "--format=%an%x00%ae%x00%ad", "--date=raw", am_commit, cwd=wt
     ).split("\0")
+    if tuple(who[:2]) == IDENTITY:
+        who[:2] = signoff
     env = {
         "GIT_AUTHOR_NAME": who[0],
         "GIT_AUTHOR_EMAIL": who[1],
@@ -580,6 +601,7 @@ class Exported:
     update: str
     body_file: Path
     patch_file: Path
+    onto: str = ""  # --onto: the revision the commit was carried onto
 
     def as_json(self, patch: Patch) -> dict:
         return {
@@ -617,14 +639,15 @@ def report_export(
     print(f"  {ex.commit[:12]} {subject}")
     if fix := fix_elsewhere(patch):
         print(
-            f"  tests only: the fix is {fix} (Upstream-Status); offer them "
-            "there, or send them as a PR of their own"
+            f"  tests only: the fix is {fix} (Upstream-Status); they go to "
+            "that PR (below)"
         )
-    on = (
-        f"{base.rev} ({base.commit[:12]})"
-        if not ex.needs
-        else f"{ex.needs[-1].file} ({ex.parent[:12]}) on {base.rev}"
-    )
+    if ex.onto:
+        on = f"{ex.onto} ({ex.parent[:12]})"
+    elif ex.needs:
+        on = f"{ex.needs[-1].file} ({ex.parent[:12]}) on {base.rev}"
+    else:
+        on = f"{base.rev} ({base.commit[:12]})"
     print(f"  parent: {on}")
     if ex.needs:
         print(
@@ -666,19 +689,40 @@ def report_export(
             f"commit to a branch at {base.rev} there: git -C ~/src/vllm am -k "
             f"{ex.patch_file}"
         )
-    print_open_pr(ex, subject)
+    if fix := fix_elsewhere(patch):
+        print_offer_tests(ex, fix)
+    print_open_pr(ex, subject, fix)
 
 
-def print_open_pr(ex: Exported, subject: str) -> None:
-    """The commands that push the branch and open the PR."""
+def print_offer_tests(ex: Exported, fix: str) -> None:
+    """Tests of a fix another PR carries go to that PR: on main without
+    its fix they fail, so they are no PR of their own until it merges."""
+    number = fix.rstrip("/").rsplit("/", 1)[-1]
+    patch_file = shlex.quote(str(ex.patch_file))
+    print(
+        f"to add the tests to {fix} (they fail on main without its fix): in "
+        "your vLLM clone,"
+    )
+    print(f"  gh pr checkout {number} --repo vllm-project/vllm")
+    print(f"  git am -k {patch_file}")
+    print(
+        "  then push onto that PR's branch if its author lets you, or attach "
+        f"{patch_file} to a review comment there"
+    )
+
+
+def print_open_pr(ex: Exported, subject: str, fix: str | None = None) -> None:
+    """The commands that push the branch and open the PR (for tests of a
+    fix another PR carries: once that PR is merged)."""
     remote_branch = (
         ex.branch.split("/", 1)[1]
         if ex.branch.startswith(REF_NS[len("refs/heads/") :] + "/")
         else ex.branch
     )
+    when = f" once {fix} is merged, and not before" if fix else ""
     print(
-        "to open the PR (vLLM takes PRs against main: rebase the branch there "
-        "first if its base is a release):"
+        f"to open the PR{when} (vLLM takes PRs against main: rebase the branch "
+        "there first if its base is a release):"
     )
     print(
         f"  git -C {shlex.quote(str(ex.base.repo))} push YOUR_FORK_REMOTE "

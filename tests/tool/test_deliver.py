@@ -571,6 +571,38 @@ def test_export_pr_branch(dx: Fixture) -> None:
         git("worktree", "remove", "--force", str(tree), cwd=up)
 
 
+def test_export_author_is_the_submitter(dx: Fixture) -> None:
+    """A patch the series wrote (its author the series' placeholder) is
+    exported as the submitter's: author, committer and the one sign-off
+    alike, so vLLM's DCO check passes; GIT_AUTHOR_* is honoured over the
+    git configuration; the placeholder is nowhere in the commit or the
+    .patch file. (Before, the author stayed the placeholder.)"""
+    f = dx.project / "patches" / "fx" / "0002-fix-add.patch"
+    f.write_text(f.read_text().replace(
+        "From: Up Stream <up@example.com>",
+        "From: vllm-patch-series <vllm-patch-series@users.noreply.github.com>"))
+    env = submitter(dx.tmp)
+    out = dx.tmp / "e.json"
+    p = dx.run("export", "0002", "--repo", str(dx.upstream), "--json", str(out),
+               env=env)
+    assert p.returncode == 0, p.stdout + p.stderr
+    ref = "refs/heads/patched/pr/fx-0002-fix-add"
+    who = git("log", "-1", "--format=%an <%ae>|%cn <%ce>", ref, cwd=dx.upstream)
+    assert who == "Jane Dev <jane@example.com>|Jane Dev <jane@example.com>", who
+    raw = git("cat-file", "commit", ref, cwd=dx.upstream)
+    patch = Path(json.loads(out.read_text())["patch_file"]).read_text()
+    for text in (raw, patch):
+        assert "vllm-patch-series" not in text, text
+    assert "\nFrom: Jane Dev <jane@example.com>\n" in patch
+    assert raw.rstrip().endswith("Signed-off-by: Jane Dev <jane@example.com>")
+    env.update(GIT_AUTHOR_NAME="Ann Other", GIT_AUTHOR_EMAIL="ann@example.com")
+    p = dx.run("export", "0002", "--repo", str(dx.upstream), env=env)
+    assert p.returncode == 0, p.stdout + p.stderr
+    msg = git("log", "-1", "--format=%an <%ae>%n%B", ref, cwd=dx.upstream)
+    assert msg.startswith("Ann Other <ann@example.com>\n"), msg
+    assert msg.rstrip().endswith("Signed-off-by: Ann Other <ann@example.com>")
+
+
 def test_export_to_a_target_off_main(dx: Fixture) -> None:
     """A patch whose code is not on vLLM's main names where it goes
     (Upstream-Target:): export says so instead of a PR against main, and the
@@ -659,6 +691,7 @@ def test_export_onto_another_commit(dx: Fixture) -> None:
     assert p.returncode == 0, p.stdout + p.stderr
     ref = "refs/heads/patched/pr/fx-0002-fix-add"
     assert git("rev-parse", f"{ref}^", cwd=up) == v11
+    assert f"  parent: v1.1.0 ({v11[:12]})\n" in p.stdout, p.stdout
     assert "vllm/mod.py" in git("diff", "--name-only", v11, ref, cwd=up)
     assert "on v1.1.0: The regression tests under plain pytest in vLLM's " \
         "tree, before and with this change:" in p.stdout
@@ -702,6 +735,13 @@ def test_export_tests_only_for_a_fix_submitted_elsewhere(dx: Fixture) -> None:
     assert "tests only: the fix is https://github.com/vllm-project/vllm/pull/" \
         "46461 (Upstream-Status)" in p.stdout
     assert "--title '[Core] Regression tests for #46461: fix add'" in p.stdout
+    # offered to that PR; a PR of their own only once it is merged
+    assert "to add the tests to https://github.com/vllm-project/vllm/pull/" \
+        "46461 (they fail on main without its fix)" in p.stdout
+    assert "  gh pr checkout 46461 --repo vllm-project/vllm\n  git am -k " \
+        in p.stdout
+    assert "to open the PR once https://github.com/vllm-project/vllm/pull/" \
+        "46461 is merged, and not before" in p.stdout, p.stdout
     assert "| `tests/test_add.py::test_add_regression` | failed | passed |" in msg
     p = dx.run("export", "0002", "--repo", str(up), "--onto", "v1.1.0",
                "--run-tests")

@@ -128,3 +128,33 @@ def test_release_tests_from_the_sdist(tmp_path: Path,
     monkeypatch.setenv("PIP_FIND_LINKS", os.devnull)
     with pytest.raises(BaseUnavailable, match="source distribution is not"):
         sd.release_tests("9.9.7")
+
+
+def test_export_onto_carries_the_update_of_vllm_tests(fx: Fixture) -> None:
+    """export --onto a commit that has vLLM's tests/ (main, in real use)
+    when the stack's base has none (a release's wheel): the patch's update
+    of vLLM's tests is carried into the PR there, and the report names
+    that commit as the parent. (Before, the update stayed out: vLLM's CI
+    would fail the tests it updates.)"""
+    standard_stack(fx)
+    update = fx.project / "tests" / "upstream" / "fx" / "0002-fix-scale.diff"
+    update.parent.mkdir(parents=True)
+    update.write_text(UPDATE)
+    work = fx.tmp / "main-with-tests"
+    git("clone", "-q", str(fx.upstream), str(work), cwd=fx.tmp)
+    git("checkout", "-q", "--detach", "v1.0.0", cwd=work)
+    (work / "tests").mkdir()
+    (work / "tests" / "test_mod.py").write_text(UPSTREAM_TEST)
+    git("add", "tests", cwd=work)
+    git("commit", "-q", "-m", "vLLM's tests", cwd=work)
+    git("push", "-q", str(fx.upstream), "HEAD:refs/heads/main2", cwd=work)
+    main2 = git("rev-parse", "HEAD", cwd=work)
+    p = fx.run("export", "0002", "--repo", str(fx.upstream), "--onto", "main2")
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert "  upstream tests: tests/upstream/fx/0002-fix-scale.diff applied" \
+        in p.stdout, p.stdout
+    assert f"  parent: main2 ({main2[:12]})\n" in p.stdout, p.stdout
+    ref = "refs/heads/patched/pr/fx-0002-fix-scale"
+    assert git("rev-parse", f"{ref}^", cwd=fx.upstream) == main2
+    test = git("show", f"{ref}:tests/test_mod.py", cwd=fx.upstream)
+    assert "def test_scale_is_identity" in test, test
