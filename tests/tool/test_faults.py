@@ -75,6 +75,29 @@ def left_running(session: int) -> list[str]:
     return found
 
 
+def interrupted(cmd: list[str], env: dict[str, str], cwd: Path,
+                sig: signal.Signals, ready) -> tuple[int, str, list[str]]:
+    """Run `cmd` in a session of its own; once `ready(proc)` returns, send
+    `sig` as Ctrl-C does (SIGINT to the process group) or as a CI job's
+    timeout does (SIGTERM to the process): (exit status, stderr, the
+    session's processes still running half a second after it ended)."""
+    proc = subprocess.Popen(cmd, env=env, cwd=cwd, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        ready(proc)
+        if sig == signal.SIGINT:
+            os.killpg(proc.pid, sig)
+        else:
+            proc.send_signal(sig)
+        out, err = proc.communicate(timeout=30)
+        time.sleep(0.5)
+        return proc.returncode, out + err, left_running(proc.pid)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
 def test_repository_short_of_room_is_refused(fx: Fixture) -> None:
     """A repository on a filesystem with less than the run needs: exit 2
     before any work, naming it (before, the cache alone was checked and a
@@ -212,27 +235,19 @@ def test_interrupt_during_the_download(fx: Fixture, sig: signal.Signals,
                PIP_FIND_LINKS=url, VLLM_PATCHES_OFFLINE="1", PIP_RETRIES="0")
     cmd = [sys.executable, "-c", DEFAULT_SIGINT, str(APPLY), "--series",
            str(fx.series), "--python", sys.executable]
-    proc = subprocess.Popen(cmd, env=env, cwd=fx.tmp, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
-    try:
+
+    def downloading(proc: subprocess.Popen) -> None:
         assert proc.stderr is not None
         for line in proc.stderr:
             if "pip: Collecting" in line:
                 break
         time.sleep(1)
-        if sig == signal.SIGINT:
-            os.killpg(proc.pid, sig)
-        else:
-            proc.send_signal(sig)
-        out, err = proc.communicate(timeout=30)
-        time.sleep(0.5)
-        running = left_running(proc.pid)
+
+    try:
+        rc, err, running = interrupted(cmd, env, fx.tmp, sig, downloading)
     finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
         server.shutdown()
-    assert proc.returncode == code, out + err
+    assert rc == code, err
     assert err.strip().splitlines()[-1].startswith("apply.py: interrupted"), err
     assert "Traceback" not in err, err
     assert not running, f"left running: {running}"
@@ -332,25 +347,15 @@ def test_interrupt_during_the_apply(fx: Fixture, sig: signal.Signals,
                VLLM_PATCHES_OFFLINE="1", **env_git)
     cmd = [sys.executable, "-c", DEFAULT_SIGINT, str(APPLY), "--series",
            str(fx.series), "--python", sys.executable, "--repo", str(fx.upstream)]
-    proc = subprocess.Popen(cmd, env=env, cwd=fx.tmp, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
-    try:
+
+    def in_am(proc: subprocess.Popen) -> None:
         end = time.monotonic() + 60
         while not (fx.tmp / "in-am").exists():
             assert time.monotonic() < end and proc.poll() is None, "no git am"
             time.sleep(0.1)
-        if sig == signal.SIGINT:
-            os.killpg(proc.pid, sig)
-        else:
-            proc.send_signal(sig)
-        out, err = proc.communicate(timeout=30)
-        time.sleep(0.5)
-        running = left_running(proc.pid)
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
-    assert proc.returncode == code, out + err
+
+    rc, err, running = interrupted(cmd, env, fx.tmp, sig, in_am)
+    assert rc == code, err
     assert err.strip().splitlines() == [
         "apply.py: interrupted; the next run clears what this one left in its "
         "cache"], err
