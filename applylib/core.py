@@ -257,7 +257,7 @@ def git(
         check=False,
     )
     if proc.returncode != 0:
-        failed(f"git {args[0]}", proc.returncode, proc.stdout + proc.stderr)
+        failed(f"git {args[0]}", proc.returncode, proc.stderr)
     if check and proc.returncode != 0:
         err = proc.stderr.decode(errors="replace").strip().splitlines()
         raise GitError(
