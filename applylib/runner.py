@@ -611,8 +611,9 @@ def cmd_apply(args: argparse.Namespace) -> int:
 
 def dry_apply(series: Series, user_repo: Path | None, args: argparse.Namespace):
     """A stack applied on --base without tests (what chooses between two
-    neighbouring stacks): the files of its patches that do not apply, or
-    None where the base cannot be had."""
+    neighbouring stacks): the files of its patches that do not apply, each
+    with the file it changes that the base lacks (missing_file), or None
+    where the base cannot be had."""
 
     def run(stack: Stack) -> dict[str, str] | None:
         with locked(repo_lock(user_repo or cache_repo())):
