@@ -72,6 +72,10 @@ def min_free_mb() -> int:
     return int(os.environ.get("VLLM_PATCHES_MIN_FREE_MB", "2048"))
 
 
+# the lock of the cache's release commits and refs (`locked`)
+RELEASES = ("releases", "the cache's releases")
+
+
 @contextlib.contextmanager
 def locked(name: str, what: str = "its repository"):
     """One run at a time on `name` (a repository: the worktrees are shared
@@ -215,7 +219,7 @@ def built_base(rev: str, python: str | None) -> Base | None:
         f"Built-Version: {version}\n" + (f"Upstream-Commit: {up}\n" if up else "")
     )
     c = import_files(repo, files, msg)
-    with locked("releases", "the cache's releases"):
+    with locked(*RELEASES):
         git("update-ref", f"refs/{TOOL_NAME}/built/{ref_label(label)}", c, cwd=repo)
     source = "installed" if rev == "installed" else "wheel"
     return Base(repo, ref_label(label), c, source, up)
@@ -302,17 +306,23 @@ def resolve_base(
         raise
 
 
+def rev_forms(rev: str) -> list[str]:
+    """The revisions a --base names: itself, and a release's tag (0.33.0:
+    v0.33.0)."""
+    if RELEASE_TAG.match(rev) and not rev.startswith("v"):
+        return [rev, f"v{rev}"]
+    return [rev]
+
+
 def find_base(
     stack: Stack, rev: str | None, user_repo: Path | None, offline: bool
 ) -> Base:
     pins = stack.pins
     candidates = (
-        [rev]
+        rev_forms(rev)
         if rev
         else [r for r in (pins.get("commit"), pins.get("tag"), pins.get("branch")) if r]
     )
-    if rev and RELEASE_TAG.match(rev) and not rev.startswith("v"):
-        candidates.append(f"v{rev}")  # 0.33.0: the release's tag v0.33.0
     if user_repo is not None:
         for r in candidates:
             c = rev_commit(user_repo, r)
@@ -507,7 +517,7 @@ def materialize_release(repo: Path, version: str, wheel: Path | None = None) -> 
     c = rev_commit(repo, f"refs/tags/{tag}")
     if c:
         return c
-    with locked("releases", "the cache's releases"):
+    with locked(*RELEASES):
         return rev_commit(repo, f"refs/tags/{tag}") or commit_release(
             repo, version, wheel or release_wheel(version)
         )
@@ -574,7 +584,7 @@ def assemble_base(stack: Stack, fetched: Path) -> Base:
     }
     msg = ("\n".join(lines) + "\n").encode()
     c = gout("commit-tree", tree, "-p", rel, cwd=repo, env=ident, input=msg)
-    with locked("releases", "the cache's releases"):
+    with locked(*RELEASES):
         git("update-ref", f"refs/{TOOL_NAME}/assembled/{stack.name}", c, cwd=repo)
     files = [dataclasses.asdict(f) for f in taken]
     return Base(

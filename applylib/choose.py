@@ -9,7 +9,7 @@ import re
 from collections.abc import Callable
 from pathlib import Path
 
-from .bases import RELEASE_TAG, built_version, describe_base
+from .bases import RELEASE_TAG, built_version, describe_base, rev_forms
 from .core import UserError, rev_commit, say
 from .probe import VERSION
 from .series import Series, Stack, release_key, short_name
@@ -45,11 +45,9 @@ def stacks_for_base(
             "e.g. v0.33.0) nor a revision of a --repo"
         )
     built = args.base == "installed" or str(args.base).endswith(".whl")
-    if args.base and user_repo is not None and not built:
-        tag = RELEASE_TAG.match(args.base)
-        forms = [args.base] + ([f"v{tag.group(1)}"] if tag else [])
-        if not any(rev_commit(user_repo, r) for r in forms):
-            raise UserError(f"unknown revision '{args.base}' in {user_repo}")
+    in_clone = args.base and user_repo is not None and not built
+    if in_clone and not any(rev_commit(user_repo, r) for r in rev_forms(args.base)):
+        raise UserError(f"unknown revision '{args.base}' in {user_repo}")
     if args.stack:
         return [series.stack(args.stack)]
     if not args.base or len(series.stacks) == 1:
