@@ -20,6 +20,7 @@ from .core import (
     writable_output,
 )
 from .export import add_deliver_commands
+from .image import add_image_command
 from .mutants import add_mutants_command
 from .rebase import add_rebase_command
 from .runner import cmd_apply
@@ -40,7 +41,8 @@ def parser() -> argparse.ArgumentParser:
         "  python apply.py                      # every stack at its pin\n"
         "  python apply.py --base v0.20.2 --repo ~/src/vllm --json out.json\n"
         "commands: check, test, base, format-patch, rebase, status, wheel,\n"
-        "          export, mutants (each has --help with an example)\n"
+        "          image, export, mutants, upstream (each has --help with an "
+        "example)\n"
         "exit: 0 ok, 1 conflict or test failure, 2 bad input",
     )
     add_global_options(p)
@@ -52,6 +54,7 @@ def parser() -> argparse.ArgumentParser:
     add_rebase_command(sub)
     add_status_command(sub)
     add_deliver_commands(sub)
+    add_image_command(sub)
     add_mutants_command(sub)
     add_upstream_command(sub)
     for sp in sub.choices.values():

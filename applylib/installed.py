@@ -46,7 +46,10 @@ from .testrun import Outcome, aggregate, run_tests, test_python
 from .wheelbuild import WHEEL_MANIFEST as MANIFEST
 from .wheelbuild import blob_hashes, record_hash
 
-# Run by the inspected Python: import each module, report where from.
+# Run by the inspected Python: import each module, report where from. Where
+# Triton has no active driver (no GPU, e.g. an image build), vLLM puts a
+# placeholder in its place, and a module that uses triton.language at import
+# fails there patched or not (UltraQuant's): "no_triton" says so.
 IMPORTS = r"""
 import importlib, json, sys
 out = {}
@@ -57,7 +60,10 @@ for name in sys.argv[1:]:
     except ModuleNotFoundError as e:
         out[name] = {"missing": e.name or "", "error": repr(e)[:300]}
     except BaseException as e:
-        out[name] = {"error": repr(e)[:300]}
+        tu = sys.modules.get("vllm.triton_utils")
+        out[name] = {"error": repr(e)[:300], "no_triton": isinstance(
+            e, AttributeError) and "'triton" in str(e) and tu is not None
+            and getattr(tu, "HAS_TRITON", True) is False}
 print("\n" + json.dumps(out))
 """
 
@@ -280,7 +286,8 @@ def module_name(path: str) -> str | None:
 def check_imports(python: str, root: Path, paths: list[str]) -> dict:
     """Import each installed module among `paths` with the environment's
     own Python; each must load from its installed file. A module needing a
-    package this environment lacks is noted, not counted as a failure."""
+    package this environment lacks, or Triton with a GPU driver where vLLM
+    has none, is noted, not counted as a failure."""
     names = {}
     for p in paths:
         name = module_name(p)
@@ -299,6 +306,11 @@ def check_imports(python: str, root: Path, paths: list[str]) -> dict:
         r = got.get(name, {})
         if r.get("missing") and r["missing"].split(".")[0] != "vllm":
             notes.append(f"{name}: not importable here (needs {r['missing']})")
+        elif r.get("no_triton"):
+            notes.append(
+                f"{name}: not importable here (it uses Triton at import, and "
+                f"Triton has no GPU driver here: {r['error']})"
+            )
         elif "error" in r:
             failed[name] = f"import failed: {r['error']}"
         elif Path(r["file"]).resolve() != want:

@@ -247,11 +247,16 @@ def differing_files(
 
 def cmd_wheel(args: argparse.Namespace) -> int:
     """apply.py wheel: the official wheel with the patched tree's files."""
+    return 0 if make_wheel(args, wheel_job(args)) else 1
+
+
+def make_wheel(args: argparse.Namespace, job: WheelJob) -> Path | None:
+    """The patched wheel of `job` written into --out, and reported; None
+    (after saying which patches conflict) where the stack does not apply."""
     t_start = time.monotonic()
-    job = wheel_job(args)
     tree = patched_tree(job)
     if tree is None:
-        return 1
+        return None
     notes = differing_files(job.src, tree.changes, tree.old, job.base.rev, args.force)
     src_size = job.src.stat().st_size
     src_sha256 = file_sha256(job.src)
@@ -266,7 +271,7 @@ def cmd_wheel(args: argparse.Namespace) -> int:
     built = build_wheel(job, tree, src_sha256, out_dir, notes)
     seconds = time.monotonic() - t_start
     report_wheel(job, built, notes, seconds, src_size, args.json)
-    return 0
+    return built.out
 
 
 @dataclasses.dataclass

@@ -1,20 +1,24 @@
 #!/usr/bin/env python3
 """Smoke check of a serving image with the patched vLLM wheel (build time).
 
-    python3 <project>/ci/image-smoke.py /tmp/vllm-patched/vllm-0.20.2+tq.<hash>-....whl
+    python3 <project>/ci/image-smoke.py --base WHEEL   # before the install
+    python3 <project>/ci/image-smoke.py WHEEL          # after it
 
-Run by ci/Dockerfile.serving right after `pip install --no-deps` of that
-wheel, from the copy of the project the build was given (apply.py,
-applylib/, series, patches/). It is the check anyone runs on their own
-environment, `apply.py status --installed`, run inside the image by the
-image's Python:
+Run by ci/Dockerfile.serving. With --base, before `pip install --no-deps` of
+the wheel: the image's own vllm must be the wheel's release, unpatched (a
+wheel of another release would replace it with files that do not fit the
+rest of the image). Then, right after the install, from the copy of the
+project the build was given (apply.py, applylib/, series, patches/), the
+check anyone runs on their own environment, `apply.py status --installed`,
+run inside the image by the image's Python:
 
 1. the installed vllm's files against what the patched wheel recorded of
    itself (.dist-info/vllm_patches.json: every file each patch changes,
    with its patched and its release content): every patch of the stack in
    effect, every changed file as built (the wheel's RECORD), and the
    patched modules import from those files (a module that needs a package
-   this image lacks, e.g. a ROCm-only one, is noted and not counted);
+   this image lacks, or Triton with a GPU driver, as UltraQuant's does at
+   import, patched or not, is noted and not counted);
 2. with --no-tests: the image has no pytest, and no GPU at build time;
 3. besides, the installed vllm is that wheel: the same version and the
    same series digest, and the project copy is the series the wheel was
@@ -71,12 +75,40 @@ def series_mismatch(manifest: dict) -> str | None:
     return None
 
 
+def base_mismatch(manifest: dict) -> str | None:
+    """Why the image's own vllm (before the install) is not the release the
+    wheel was made from."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    release = manifest["release"]
+    try:
+        have = version("vllm")
+    except PackageNotFoundError:
+        have = None
+    if have == release:
+        return None
+    what = f"vllm {have}" if have else "no vllm"
+    if have and "+" in have:
+        what += " (already patched)"
+    return (f"the base image has {what}, the wheel is of release {release}: "
+            f"build FROM the vllm/vllm-openai:v{release} image (or an image "
+            f"with that release), or make the wheel of the image's release")
+
+
 def main(argv: list[str]) -> int:
+    base = argv[:1] == ["--base"]
+    argv = argv[1:] if base else argv
     if len(argv) != 1 or not argv[0].endswith(".whl"):
-        print("usage: image-smoke.py WHEEL (exactly one .whl)", file=sys.stderr)
+        print("usage: image-smoke.py [--base] WHEEL (exactly one .whl)",
+              file=sys.stderr)
         return 2
     whl = Path(argv[0])
     version, manifest = read_wheel(whl)
+    if base:
+        why = base_mismatch(manifest)
+        print(f"image-smoke: FAILED: {why}" if why else
+              f"image-smoke: the base image has vllm {manifest['release']}: ok")
+        return 1 if why else 0
     why = series_mismatch(manifest)
     if why:  # else status would look for the release's base to judge by
         print(f"image-smoke: FAILED: {why}")

@@ -19,6 +19,17 @@ mkdir -p build && : > build/stages.tsv
 t=$(date +%s)
 lap() { local now; now=$(date +%s); printf '%s\t%s\n' "$1" $((now - t)) >> build/stages.tsv; t=$now; }
 bash ci/setup.sh || exit 1
+# the serving image is built for real (tests/tool/test_image.py): buildah and
+# mmdebstrap (its stand-in base), from apt where this runs as root
+if ! command -v buildah >/dev/null || ! command -v mmdebstrap >/dev/null; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+    { apt-get install -y -q buildah mmdebstrap >/dev/null ||
+      { apt-get update -q && apt-get install -y -q buildah mmdebstrap; } >/dev/null; } ||
+      echo "ci/test.sh: apt-get could not install buildah and mmdebstrap"
+  fi
+  command -v buildah >/dev/null ||
+    echo "ci/test.sh: no buildah: the image build test will be skipped"
+fi
 lap set-up
 ci=$PWD/build/ci
 [ -n "${VLLM_PATCHES_CI_WARM:-}" ] || rm -rf "$ci"
