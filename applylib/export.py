@@ -51,7 +51,7 @@ from .series import (
 from .testrun import test_python
 from .upstreamsuite import diff_files, upstream_diff
 from .upstreamtest import before_and_with, fail_without_fix
-from .wheelbuild import cmd_wheel
+from .wheelbuild import add_wheel_options, cmd_wheel
 
 # Subject component -> vLLM's test directory for it.
 COMPONENT_TESTS = {
@@ -760,21 +760,13 @@ def add_wheel_command(sub: argparse._SubParsersAction) -> None:
         "  python apply.py wheel --base v0.20.2 --from-wheel "
         "vllm-0.20.2-cp38-abi3-manylinux_2_35_x86_64.whl",
     )
-    common(w, "base", helps={"base": "base release vX.Y.Z (default: the stack's pin)"})
-    w.add_argument(
-        "--from-wheel",
-        metavar="FILE",
-        help="the official wheel (default: from the tool's cache, "
-        "else downloaded with pip)",
-    )
-    w.add_argument("--out", default="dist", help="output directory (default: ./dist)")
+    add_wheel_options(w)
     w.add_argument(
         "--force",
         action="store_true",
         help="ship base + patch even where the wheel's copy of a changed file "
         "differs from the base tree's",
     )
-    common(w, "stack", "repo", "python", "offline", "json", "fetched")
 
 
 def add_export_command(sub: argparse._SubParsersAction) -> None:

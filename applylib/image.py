@@ -20,9 +20,15 @@ import time
 import zipfile
 from pathlib import Path
 
-from .core import PROJECT, UserError, command, common, say
+from .core import PROJECT, UserError, command, say
 from .series import Series, Stack
-from .wheelbuild import WHEEL_MANIFEST, WheelJob, make_wheel, wheel_job
+from .wheelbuild import (
+    WHEEL_MANIFEST,
+    WheelJob,
+    add_wheel_options,
+    make_wheel,
+    wheel_job,
+)
 
 BUILDERS = ("docker", "podman", "buildah")
 DOCKERFILE = PROJECT / "ci" / "Dockerfile.serving"
@@ -111,6 +117,8 @@ def check_patched_wheel(
     wheel: Path, series: Series, stack: Stack, release: str
 ) -> None:
     """A wheel of `apply.py wheel` from this series' `stack` on `release`."""
+    if not wheel.is_file():
+        raise UserError(f"{wheel}: no such wheel file")
     try:
         with zipfile.ZipFile(wheel) as zf:
             name = next(
@@ -267,7 +275,7 @@ def add_image_command(sub: argparse._SubParsersAction) -> None:
         "  python apply.py image --stack tq-v0.33 --builder buildah "
         "--from mirror.example/vllm-openai:v0.33.0",
     )
-    common(m, "base", helps={"base": "base release vX.Y.Z (default: the stack's pin)"})
+    add_wheel_options(m)
     m.add_argument(
         "--builder", choices=BUILDERS, help="image builder (default: the first on PATH)"
     )
@@ -280,12 +288,7 @@ def add_image_command(sub: argparse._SubParsersAction) -> None:
     m.add_argument(
         "--tag", help="image reference (default: vllm-openai:v<release>-<local>)"
     )
-    m.add_argument("--wheel", metavar="FILE", help="the patched wheel (default: made)")
     m.add_argument(
-        "--from-wheel",
-        metavar="FILE",
-        help="the official wheel to patch (default: cached)",
+        "--wheel", metavar="FILE", help="the patched wheel (default: made in --out)"
     )
-    m.add_argument("--out", default="dist", help="the wheel's folder (default: ./dist)")
     m.set_defaults(force=False)
-    common(m, "stack", "repo", "python", "offline", "json", "fetched")

@@ -28,6 +28,7 @@ from .bases import (
 from .core import (
     BASE_DATE,
     UserError,
+    common,
     failed,
     git,
     gout,
@@ -612,3 +613,18 @@ def report_wheel(
             )
             + "\n"
         )
+
+
+def add_wheel_options(p: argparse.ArgumentParser) -> None:
+    """What makes a patched wheel: `wheel`'s options, `image`'s too."""
+    common(p, "base", helps={"base": "base release vX.Y.Z (default: the stack's pin)"})
+    p.add_argument(
+        "--from-wheel",
+        metavar="FILE",
+        help="the official wheel (default: from the tool's cache, "
+        "else downloaded with pip)",
+    )
+    p.add_argument(
+        "--out", default="dist", help="the patched wheel's folder (default: ./dist)"
+    )
+    common(p, "stack", "repo", "python", "offline", "json", "fetched")
