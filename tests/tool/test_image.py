@@ -19,6 +19,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -316,3 +317,57 @@ def test_image_unknown_base_image(built: dict, benv: dict[str, str]) -> None:
     assert r.stderr.strip().splitlines()[-1].startswith(
         "apply.py: error: base image localhost/no-such-image:1: not in buildah's "
         "images and it cannot be pulled (")
+
+
+FAKE_DOCKER = """\
+#!/bin/sh
+echo "$*" >> "$DOCKER_LOG"
+if [ "$1" = build ]; then
+  for a; do ctx=$a; done
+  (cd "$ctx" && find . -type f | sort) >> "$DOCKER_LOG"
+  echo "image-smoke: (a stand-in docker)"
+fi
+"""
+
+
+@pytestmark_real
+def test_image_with_docker_defaults(built: dict, tmp_path: Path) -> None:
+    """With docker first on PATH (a stand-in that logs what it is given):
+    the official image of the release as base, the tag, the build
+    arguments, and a context of exactly what the Dockerfile copies."""
+    (tmp_path / "bin").mkdir()
+    (tmp_path / "bin" / "docker").write_text(FAKE_DOCKER)
+    (tmp_path / "bin" / "docker").chmod(0o755)
+    log = tmp_path / "docker.log"
+    env = dict(os.environ, DOCKER_LOG=str(log),
+               PATH=f"{tmp_path / 'bin'}:{os.environ['PATH']}")
+    wheel = Path(built["wheel"])
+    r = tool("image", "--stack", "tq-v0.33", "--wheel", str(wheel), env=env,
+             cwd=tmp_path)
+    assert r.returncode == 0, r.stdout + r.stderr
+    tag = built["image"]
+    lines = r.stdout.splitlines()
+    at = lines.index(tag)
+    assert re.fullmatch(
+        rf"  vllm {re.escape(built['version'])}: stack tq-v0.33 \(9 patch\(es\)\) "
+        rf"over vllm/vllm-openai:v{RELEASE}, built by docker in \d+ s",
+        lines[at + 1])
+    assert lines[at + 2:] == [
+        "  image-smoke: (a stand-in docker)",
+        "to run it:",
+        f"  docker run --gpus all -p 8000:8000 {tag} MODEL --kv-cache-dtype "
+        "turboquant_4bit_nc"]
+    inspect, build, *files = log.read_text().splitlines()
+    assert inspect == f"image inspect vllm/vllm-openai:v{RELEASE}"
+    ctx = build.split()[-1]
+    assert build == (
+        f"build --build-arg VLLM_RELEASE={RELEASE} --build-arg BASE_IMAGE="
+        f"vllm/vllm-openai:v{RELEASE} --build-arg WHEEL=dist/{wheel.name} -f "
+        f"{ctx}/Dockerfile -t {tag} {ctx}")
+    assert Path(ctx).parent == wheel.parent and not Path(ctx).exists()
+    want = ["./Dockerfile", "./apply.py", "./series", "./ci/image-smoke.py",
+            f"./dist/{wheel.name}"]
+    want += [f"./applylib/{f.name}" for f in (ROOT / "applylib").glob("*.py")]
+    want += [f"./{f.relative_to(ROOT).as_posix()}"
+             for f in (ROOT / "patches").rglob("*") if f.is_file()]
+    assert sorted(files) == sorted(want)
