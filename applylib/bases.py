@@ -23,6 +23,7 @@ from .core import (
     TOOL_NAME,
     UPSTREAM_URL,
     UserError,
+    child_output,
     failed,
     git,
     git_common_dir,
@@ -479,12 +480,9 @@ def pip_download(cmd: list[str], version: str, dist: Path):
     """Run pip download, saying what it fetches: (exit status, its last
     lines, the releases the index listed when it lacks this one). An
     interrupt ends pip too."""
-    proc = subprocess.Popen(
-        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-    )
-    assert proc.stdout is not None
     tail, versions = [], None
-    try:
+    with child_output(cmd) as proc:
+        assert proc.stdout is not None
         for line in proc.stdout:
             line = line.rstrip()
             if line.startswith("WARNING: Location"):
@@ -498,11 +496,7 @@ def pip_download(cmd: list[str], version: str, dist: Path):
             if line.startswith(("Collecting", "Downloading", "Saved")):
                 say(f"  pip: {line.strip()}")
             versions = index_versions(line) or versions
-        return proc.wait(), tail, versions
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+    return proc.returncode, tail, versions
 
 
 def materialize_release(repo: Path, version: str, wheel: Path | None = None) -> str:

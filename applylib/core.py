@@ -12,7 +12,7 @@ import signal
 import subprocess
 import sys
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 PROJECT = Path(__file__).resolve().parent.parent  # the project root
@@ -221,6 +221,34 @@ def disk_full(what: str, output: str) -> None:
 
 def say(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
+
+
+@contextlib.contextmanager
+def child_output(argv: list[str]) -> Iterator[subprocess.Popen[str]]:
+    """A child process whose output (stdout and stderr, as text) the block
+    reads; a child still running when the block is left (an interrupt, an
+    error) is terminated, then killed after 10 s, so none outlives the run."""
+    proc = subprocess.Popen(
+        argv,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        stdin=subprocess.DEVNULL,
+        text=True,
+        errors="replace",
+    )
+    try:
+        yield proc
+        proc.wait()
+    finally:
+        if proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        if proc.stdout is not None:
+            proc.stdout.close()
 
 
 def atomic_write(path: Path, data: bytes) -> None:

@@ -20,7 +20,7 @@ import time
 import zipfile
 from pathlib import Path
 
-from .core import PROJECT, UserError, command, say
+from .core import PROJECT, UserError, child_output, command, say
 from .series import Series, Stack
 from .wheelbuild import (
     WHEEL_MANIFEST,
@@ -192,14 +192,8 @@ def run_build(
         argv += ["--build-arg", f"{k}={v}"]
     argv += ["-f", str(ctx / "Dockerfile"), "-t", tag, str(ctx)]
     lines = []
-    with subprocess.Popen(
-        argv,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        stdin=subprocess.DEVNULL,
-        text=True,
-        errors="replace",
-    ) as proc:
+    with child_output(argv) as proc:
+        assert proc.stdout is not None
         for line in proc.stdout:
             print(f"  | {line}", end="", flush=True)
             lines.append(line.rstrip("\n"))

@@ -21,13 +21,17 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
+import time
 import zipfile
 from pathlib import Path
 
 import pytest
 from conftest import APPLY, ROOT, isolated_cache
+from test_faults import interrupted
+from test_warm import DEFAULT_SIGINT
 
 PY = sys.executable
 STORE = ROOT / "build" / "image"
@@ -371,3 +375,43 @@ def test_image_with_docker_defaults(built: dict, tmp_path: Path) -> None:
     want += [f"./{f.relative_to(ROOT).as_posix()}"
              for f in (ROOT / "patches").rglob("*") if f.is_file()]
     assert sorted(files) == sorted(want)
+
+
+SLOW_DOCKER = """\
+#!/bin/sh
+if [ "$1" = build ]; then
+  echo "STEP 1/4: FROM (a stand-in docker that hangs)"
+  exec sleep 300
+fi
+"""
+
+
+@pytestmark_real
+@pytest.mark.parametrize("sig, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_interrupt_during_the_build(built: dict, tmp_path: Path,
+                                    sig: signal.Signals, code: int) -> None:
+    """Ctrl-C (to the process group) or SIGTERM (to apply.py, as a CI
+    job's timeout sends it) while the builder runs: exit 130 / 143, one
+    line, the builder gone, the build context removed. Before, SIGTERM
+    waited for the builder to finish."""
+    (tmp_path / "bin").mkdir()
+    (tmp_path / "bin" / "docker").write_text(SLOW_DOCKER)
+    (tmp_path / "bin" / "docker").chmod(0o755)
+    env = dict(os.environ, PATH=f"{tmp_path / 'bin'}:{os.environ['PATH']}")
+    wheel = Path(built["wheel"])
+    cmd = [PY, "-c", DEFAULT_SIGINT, str(APPLY), "image", "--stack", "tq-v0.33",
+           "--wheel", str(wheel)]
+
+    def building(proc: subprocess.Popen) -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            if "a stand-in docker that hangs" in line:
+                break
+        time.sleep(0.5)
+
+    rc, out, running = interrupted(cmd, env, tmp_path, sig, building)
+    assert rc == code, out
+    assert out.strip().splitlines()[-1].startswith("apply.py: interrupted"), out
+    assert "Traceback" not in out, out
+    assert not running, f"left running: {running}"
+    assert not list(wheel.parent.glob(".apply-image-*"))
