@@ -4,6 +4,7 @@ prtext); registers the delivery commands (wheel, export)."""
 from __future__ import annotations
 
 import argparse
+import ast
 import dataclasses
 import json
 import os
@@ -49,7 +50,7 @@ from .series import (
     pick_patch,
 )
 from .testrun import test_python
-from .upstreamsuite import diff_files, upstream_diff
+from .upstreamsuite import diff_files, upstream_diff, upstream_tests
 from .upstreamtest import before_and_with, fail_without_fix
 from .wheelbuild import add_wheel_options, cmd_wheel
 
@@ -184,7 +185,8 @@ def cmd_export(args: argparse.Namespace) -> int:
         Path(args.json).write_text(
             json.dumps(exported.as_json(job.patch), indent=2) + "\n"
         )
-    return max(not_standalone(pr.body), 0 if pr.tests_ok else 1)
+    shipped = {f: (pr.wt / f).read_text(errors="replace") for f in pr.tests.kept}
+    return max(not_standalone(pr.body, shipped), 0 if pr.tests_ok else 1)
 
 
 def tests_before_and_with(
@@ -257,7 +259,10 @@ def make_pr_commit(
     parent = gout("rev-parse", "HEAD~1", cwd=wt)
     dest = args.test_dir or vllm_test_dir(wt, am_commit, job.patch)
     check_safe_relpath(dest, "--test-dir")
-    tests = place_tests(job, wt, am_commit, dest)
+    if job.kept:
+        tests = place_kept_tests(job, wt)
+    else:
+        tests = place_tests(job, wt, am_commit, dest)
     tests.update = carry_test_update(job, wt)
     pr = PrCommit("", parent, wt, "", [], tests, needs)
     ids = tests.node_ids(job.patch)
@@ -276,7 +281,15 @@ def make_pr_commit(
     msg = gout("log", "-1", "--format=%B", am_commit, cwd=wt)
     fix_pr = fix_elsewhere(job.patch)
     message, pr.body, pr.dropped = pr_message(
-        job.patch, msg, ids, pr.result, signoff, needs, tests.renames, fix_pr
+        job.patch,
+        msg,
+        ids,
+        pr.result,
+        signoff,
+        needs,
+        tests.renames,
+        fix_pr,
+        kept_test=bool(tests.kept),
     )
     tree = tests_only_tree(wt, am_commit, parent) if fix_pr else None
     pr.commit = pr_commit(wt, am_commit, parent, message, signoff, tree)
@@ -354,15 +367,49 @@ def conflict_spots(wt: Path) -> list[str]:
     return spots
 
 
-def not_standalone(body: str) -> int:
-    """1, saying where, when the PR text names this project's paths or its
-    series (a PR is read alone); else 0."""
-    leaks = series_words(body)
+def not_standalone(body: str, shipped: dict[str, str]) -> int:
+    """1, saying where, when the PR text or the test files it ships (path
+    -> text) name this project's paths or series (a PR is read alone), or
+    a shipped test module sets environment variables at import (they leak
+    into every test of the pytest process); else 0."""
+    leaks = [("the PR text", ln) for ln in series_words(body)]
+    for path, text in shipped.items():
+        leaks += [(path, ln) for ln in series_words(text)]
+        leaks += [(path, f"line {n}: sets {v} at import") for n, v in env_writes(text)]
     if leaks:
-        print("the PR text names this project's paths or series (not ready):")
-        for line in leaks:
-            print(f"  {line[:120]}")
+        print("the PR names this project or leaks environment variables (not ready):")
+        for where, line in leaks:
+            print(f"  {where}: {line[:120]}")
     return 1 if leaks else 0
+
+
+ENV_WRITERS = ("setdefault", "update", "pop", "clear", "__setitem__")
+
+
+def env_writes(text: str) -> list[tuple[int, str]]:
+    """Where a module writes os.environ (or os.putenv) outside a function:
+    (line, what) of each write made when it is imported."""
+    found = []
+    todo = list(ast.parse(text).body)
+    while todo:
+        node = todo.pop()
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+            continue
+        target = None
+        if isinstance(node, (ast.Assign, ast.AugAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            target = next((t for t in targets if isinstance(t, ast.Subscript)), None)
+            target = target.value if target is not None else None
+        elif (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Attribute)
+            and node.func.attr in (*ENV_WRITERS, "putenv")
+        ):
+            target = node.func if node.func.attr == "putenv" else node.func.value
+        if target is not None and ast.unparse(target) in ("os.environ", "os.putenv"):
+            found.append((node.lineno, ast.unparse(target)))
+        todo += list(ast.iter_child_nodes(node))
+    return sorted(found)
 
 
 @dataclasses.dataclass
@@ -375,6 +422,7 @@ class ExportJob:
     entry: str
     upto: list[Patch]  # the stack's patches up to and including this one
     test_files: list[str]
+    kept: list[str]  # its own test for vLLM (upstream_tests), when it has one
 
     @property
     def patch(self) -> Patch:
@@ -399,7 +447,10 @@ def export_job(args: argparse.Namespace) -> ExportJob:
         check_safe_relpath(f, f"patches/{entry}: test")
         if not (series.root / f).is_file():
             raise UserError(f"patches/{entry}: test file {f} does not exist")
-    return ExportJob(series, stack, entry, patches[: idx + 1], test_files)
+    kept = upstream_tests(series.root, entry)
+    for f in kept:
+        check_safe_relpath(f, f"tests/upstream/{entry}: test")
+    return ExportJob(series, stack, entry, patches[: idx + 1], test_files, kept)
 
 
 def export_base(args: argparse.Namespace, stack: Stack, entry: str) -> Base:
@@ -460,9 +511,13 @@ class PlacedTests:
     renamed: dict[str, str]  # series test file -> vLLM path
     renames: dict[str, str]  # series paths (tests, helpers) -> vLLM tree paths
     update: str = ""  # what became of the patch's update of vLLM's own tests
+    kept: list[str] = dataclasses.field(default_factory=list)  # its own test
 
     def node_ids(self, patch: Patch) -> list[str]:
-        """The patch's regression test ids, at their vLLM paths."""
+        """The patch's regression test ids, at their vLLM paths: its own
+        test for vLLM's files where it has one."""
+        if self.kept:
+            return list(self.kept)
         return [
             self.renamed[t.split("::", 1)[0]] + t[len(t.split("::", 1)[0]) :]
             for t in patch.regression
@@ -501,6 +556,22 @@ def place_tests(job: ExportJob, wt: Path, am_commit: str, dest: str) -> PlacedTe
         git("add", "-f", "--", *added, cwd=wt)
         tests.placed.append((f"{dest}/{name}", f, done))
         tests.renamed[f] = tests.renames[f] = f"{dest}/{name}"
+    return tests
+
+
+def place_kept_tests(job: ExportJob, wt: Path) -> PlacedTests:
+    """The patch's own test for vLLM (upstream_tests) copied as it is to its
+    paths in the worktree, staged; the series' tests stay in the project."""
+    src = job.series.root / upstream_diff(job.entry).with_suffix("")
+    tests = PlacedTests([], {}, {}, kept=job.kept)
+    for rel in job.kept:
+        if (wt / rel).exists():
+            raise UserError(f"{rel} already exists in the tree: rename it in {src}")
+        (wt / rel).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(src / rel, wt / rel)
+        series_path = (src / rel).relative_to(job.series.root).as_posix()
+        tests.placed.append((rel, series_path, ["written for vLLM, copied as it is"]))
+    git("add", "-f", "--", *job.kept, cwd=wt)
     return tests
 
 

@@ -368,6 +368,7 @@ def pr_message(
     needs: list[Patch],
     renames: dict[str, str],
     fix_pr: str | None = None,
+    kept_test: bool = False,
 ) -> tuple[str, str, list[str]]:
     """The commit message and PR body in vLLM's PR template.
 
@@ -378,12 +379,15 @@ def pr_message(
     exported ones), Test Result (the patch's, and ours when run). "When to
     drop" is about the series only and is left out. With `fix_pr` (an
     upstream PR that carries the fix already) the PR holds the tests alone,
-    for that PR. Returns the message, the body and the titles of the
-    sections left out.
+    for that PR. With `kept_test` (the PR carries the patch's own test for
+    vLLM) the patch's plan, about the series' tests, is left out too.
+    Returns the message, the body and the titles of the sections left out.
     """
     text, trailers = split_trailers(msg)
     subject, _, body = text.partition("\n")
     own = TemplateSections.of(body)
+    if kept_test and own.plan:
+        own.plan, own.dropped = [], [*own.dropped, "Test plan"]
     plan = pr_test_plan(node_ids, own.plan, renames, fix_pr)
     links = pr_links(patch, needs)
     if fix_pr:

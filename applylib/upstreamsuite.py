@@ -25,43 +25,32 @@ from .runner import PatchResult, apply_stack
 from .sdist import release_tests
 from .series import Patch, Series, Stack, load_patch, parse_series
 from .testrun import test_python
-from .upstreamtest import OUTCOME, run_plain
+from .upstreamtest import HOST_PLUGIN, OUTCOME, outcome, run_plain
 from .wheelbuild import stack_release
 
 # A module more of vLLM's test files import than this (arg_utils,
 # platforms) is left to vLLM's CI: its suites are too wide for this check.
 MAX_IMPORTERS = 10
 BAD = ("failed", "error")
-# The host, the same for both trees. CPU-only: Triton kernels run in
-# Triton's interpreter (vLLM turns Triton off without a GPU driver
-# otherwise), and vLLM's conftest's emptying of the accelerator's caches
-# after each test, which raises where there is none, does nothing. A GPU
-# with a source tree (no compiled extensions to load): vLLM's CpuPlatform
-# stands in as the platform, the tensors and Triton kernels on the GPU.
-HOST_PLUGIN = """\
-import importlib.util
-import os
-from pathlib import Path
-
-import torch
-
-if not torch.accelerator.is_available():
-    os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-    torch.accelerator.empty_cache = lambda: None
-    torch.accelerator.empty_host_cache = lambda: None
-elif not list(Path(importlib.util.find_spec("vllm").origin).parent.glob("_C*.so")):
-    from vllm import platforms
-    from vllm.platforms.cpu import CpuPlatform
-
-    platforms._current_platform = CpuPlatform()
-"""
 
 
 def upstream_diff(entry: str) -> Path:
     """Where the series keeps a patch's update of vLLM's own tests,
     relative to its root."""
     return Path("tests") / "upstream" / Path(entry).with_suffix(".diff")
+
+
+def upstream_tests(root: Path, entry: str) -> list[str]:
+    """A patch's own test written for vLLM, kept beside its update of vLLM's
+    tests (tests/upstream/<stack>/<patch>/): each file's path in vLLM's
+    tree (the path below that folder), sorted; [] when it has none."""
+    kept = root / upstream_diff(entry).with_suffix("")
+    files = kept.rglob("*") if kept.is_dir() else ()
+    return sorted(
+        f.relative_to(kept).as_posix()
+        for f in files
+        if f.is_file() and "__pycache__" not in f.parts and f.suffix != ".pyc"
+    )
 
 
 def upstream_diffs(root: Path, stack: Stack) -> list[Path]:
@@ -227,14 +216,54 @@ def compare_trees(
     diffs = upstream_diffs(root, stack)
     tree_with_tests(trees[0], tests, [])
     tree_with_tests(trees[1], tests, diffs)
+    kept = kept_tests(root, stack, trees)
     for n in notes:
         print(f"  not run: {n}")
     for f in files:
         print(f"  {f}")
     for d in diffs:
         print(f"  with the update {d.relative_to(root)}")
-    was, now = outcomes(trees[0], files, python), outcomes(trees[1], files, python)
-    return report(was, now, diff_files(diffs))
+    run = files + [f for f in kept if f not in files]
+    was, now = outcomes(trees[0], run, python), outcomes(trees[1], run, python)
+    own = {t for t in was.keys() | now.keys() if t.split("::", 1)[0] in kept}
+    rc = report(
+        {t: o for t, o in was.items() if t not in own},
+        {t: o for t, o in now.items() if t not in own},
+        diff_files(diffs),
+    )
+    return max(rc, report_kept(kept, was, now))
+
+
+def kept_tests(root: Path, stack: Stack, trees: tuple[Path, Path]) -> dict[str, str]:
+    """The stack's patches' own tests for vLLM (upstream_tests) copied into
+    both trees: their vLLM path -> the patch."""
+    kept = {}
+    for entry in stack.patches:
+        src = root / upstream_diff(entry).with_suffix("")
+        for rel in upstream_tests(root, entry):
+            for tree in trees:
+                (tree / rel).parent.mkdir(parents=True, exist_ok=True)
+                shutil.copyfile(src / rel, tree / rel)
+            kept[rel] = entry
+    return kept
+
+
+def report_kept(kept: dict[str, str], was: dict[str, str], now: dict[str, str]) -> int:
+    """Each kept test file: proven when it fails on the base and all of it
+    passes patched; 1 when one is not (skipped on both: not run here)."""
+    bad = 0
+    for path, entry in kept.items():
+        before, after = outcome(path, was), outcome(path, now)
+        if before == after == "not run":
+            print(f"  kept {path} ({entry}): not run here (skipped on this host)")
+            continue
+        ok = before == "failed" and after == "passed"
+        bad |= not ok
+        print(
+            f"  {'kept' if ok else 'NOT PROVEN'} {path} ({entry}): {before} on the "
+            f"base, {after} patched"
+        )
+    return int(bad)
 
 
 def report(was: dict[str, str], now: dict[str, str], updated: set[str]) -> int:

@@ -17,6 +17,30 @@ from .core import gout
 from .testrun import tree_env
 
 OUTCOME = re.compile(r"^(PASSED|FAILED|ERROR|XFAIL|XPASS) (\S+)")
+# The host, the same for every tree. CPU-only: Triton kernels run in
+# Triton's interpreter (vLLM turns Triton off without a GPU driver
+# otherwise), and vLLM's conftest's emptying of the accelerator's caches
+# after each test, which raises where there is none, does nothing. A GPU
+# with a source tree (no compiled extensions to load): vLLM's CpuPlatform
+# stands in as the platform, the tensors and Triton kernels on the GPU.
+HOST_PLUGIN = """\
+import importlib.util
+import os
+from pathlib import Path
+
+import torch
+
+if not torch.accelerator.is_available():
+    os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+    torch.accelerator.empty_cache = lambda: None
+    torch.accelerator.empty_host_cache = lambda: None
+elif not list(Path(importlib.util.find_spec("vllm").origin).parent.glob("_C*.so")):
+    from vllm import platforms
+    from vllm.platforms.cpu import CpuPlatform
+
+    platforms._current_platform = CpuPlatform()
+"""
 
 
 def run_plain(
@@ -40,8 +64,9 @@ def run_plain(
 
 
 def plain_pytest(tree: Path, ids: list[str], python: str) -> dict[str, str]:
-    """Each test id's outcome (`outcome`) under plain pytest in `tree`."""
-    p = run_plain(tree, ids, python)
+    """Each test id's outcome (`outcome`) under plain pytest in `tree`, on
+    this host (HOST_PLUGIN)."""
+    p = run_plain(tree, ids, python, HOST_PLUGIN)
     seen = {}
     for line in p.stdout.splitlines():
         m = OUTCOME.match(line)
@@ -52,9 +77,14 @@ def plain_pytest(tree: Path, ids: list[str], python: str) -> dict[str, str]:
 
 def outcome(test: str, seen: dict[str, str]) -> str:
     """A test id's outcome from pytest's reported ones: its own, or, for a
-    parametrized test named without parameters, failed (or error) when one
-    of its cases is, passed when all are; "not run" when none reported."""
-    got = [o for k, o in seen.items() if k == test or k.startswith(test + "[")]
+    parametrized test named without parameters or a test file, failed (or
+    error) when one of its cases is, passed when all are; "not run" when
+    none reported."""
+    got = [
+        o
+        for k, o in seen.items()
+        if k == test or k.startswith((test + "[", test + "::"))
+    ]
     for bad in ("error", "failed"):
         if bad in got:
             return bad

@@ -676,8 +676,9 @@ def test_export_pr_text_names_no_project_path(dx: Fixture) -> None:
         "The fix.\n", "The fix, as the previous patch did (ci/gpu/bench.py).\n"))
     p = dx.run("export", "0001", "--repo", str(dx.upstream))
     assert p.returncode == 1, p.stdout + p.stderr
-    assert "the PR text names this project's paths or series (not ready):\n" \
-        "  The fix, as the previous patch did (ci/gpu/bench.py).\n" in p.stdout
+    assert "the PR names this project or leaks environment variables (not " \
+        "ready):\n  the PR text: The fix, as the previous patch did " \
+        "(ci/gpu/bench.py).\n" in p.stdout
 
 
 def test_export_onto_another_commit(dx: Fixture) -> None:
@@ -851,6 +852,57 @@ def test_export_run_tests(dx: Fixture) -> None:
            "passed | passed |" in p.stdout
     assert "not ready: a regression test did not fail before and pass with " \
            "the change under plain pytest" in p.stdout
+
+
+KEPT_TEST = """\
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+\"\"\"add() of two integers.\"\"\"
+
+from vllm.mod import add
+
+
+def test_add_small_integers():
+    assert add(2, 3) == 5
+
+
+def test_add_negative():
+    assert add(-2, 3) == 1
+"""
+
+
+def test_export_ships_the_test_kept_for_vllm(dx: Fixture) -> None:
+    """A patch with its own test written for vLLM (tests/upstream/<stack>/
+    <patch>/, files at their paths in vLLM's tree): export ships that file
+    as it is and nothing of the series' test or its helper; --run-tests
+    runs all of it before and with the change. A kept test that sets an
+    environment variable at import, or names this project: not ready."""
+    kept = dx.project / "tests/upstream/fx/0002-fix-add/tests/test_mod_add.py"
+    kept.parent.mkdir(parents=True)
+    kept.write_text(KEPT_TEST)
+    p = dx.run("export", "0002", "--repo", str(dx.upstream), "--run-tests")
+    assert p.returncode == 0, p.stdout + p.stderr
+    ref = "refs/heads/patched/pr/fx-0002-fix-add"
+    assert git("diff", "--name-only", f"{ref}~1", ref,
+               cwd=dx.upstream).split() == ["tests/test_mod_add.py", "vllm/mod.py"]
+    assert git("show", f"{ref}:tests/test_mod_add.py", cwd=dx.upstream) + "\n" \
+        == KEPT_TEST
+    assert "  test: tests/test_mod_add.py (from tests/upstream/fx/0002-fix-add/" \
+        "tests/test_mod_add.py; written for vLLM, copied as it is)" in p.stdout
+    msg = git("log", "-1", "--format=%B", ref, cwd=dx.upstream)
+    assert "pytest -v tests/test_mod_add.py\n" in msg
+    assert "| `tests/test_mod_add.py` | failed | passed |" in msg
+    kept.write_text(KEPT_TEST.replace(
+        "from vllm.mod import add\n",
+        "import os\n\nfrom vllm.mod import add\n\n"
+        "os.environ.setdefault(\"TRITON_INTERPRET\", \"1\")  # see ci/gpu/a.py\n"))
+    p = dx.run("export", "0002", "--repo", str(dx.upstream), "--force")
+    assert p.returncode == 1, p.stdout + p.stderr
+    assert "the PR names this project or leaks environment variables (not " \
+        "ready):\n" \
+        "  tests/test_mod_add.py: os.environ.setdefault(\"TRITON_INTERPRET\", " \
+        "\"1\")  # see ci/gpu/a.py\n" \
+        "  tests/test_mod_add.py: line 9: sets os.environ at import\n" in p.stdout
 
 
 # --------------------------------------------------------------------------
@@ -1145,9 +1197,10 @@ def test_backport_keeps_its_author_and_sign_off() -> None:
 
 
 # the patches whose exported tests CI runs under plain pytest: one a stack,
-# and one (tq-v0.33/0005) that applies alone but whose test needs the
-# patches before it (export bases it on them)
-PLAIN_IN_CI = ["tq/0003", "tq-v0.33/0003", "tq-v0.33/0005"]
+# one (tq-v0.33/0005) that applies alone but whose test needs the patches
+# before it (export bases it on them), and one with its own test for vLLM
+# (tq-v0.33/0008)
+PLAIN_IN_CI = ["tq/0003", "tq-v0.33/0003", "tq-v0.33/0005", "tq-v0.33/0008"]
 PLAIN_ALL = [f"tq/000{i}" for i in range(1, 6)] + [
     f"tq-v0.33/000{i}" for i in (1, 2, 3, 4, 5, 7, 8, 9)]
 
@@ -1171,6 +1224,12 @@ def plain_export(entry: str, tmp_path: Path) -> None:
     assert r.returncode == 0, r.stdout + r.stderr
     rows = [ln for ln in r.stdout.splitlines() if ln.startswith("| `")]
     assert rows and all(ln.endswith("| failed | passed |") for ln in rows), rows
+    kept = [f.relative_to(d).as_posix()
+            for d in (ROOT / "tests/upstream" / stack).glob(
+                entry.split("/")[1] + "-*/")
+            for f in sorted(d.rglob("*.py"))]
+    if kept:  # its own test for vLLM, alone: nothing of the series' tests
+        assert rows == [f"| `{f}` | failed | passed |" for f in kept], rows
 
 
 @pytest.mark.parametrize("entry", PLAIN_IN_CI)

@@ -87,6 +87,38 @@ def test_upstream_test_broken_unless_the_patch_updates_it(ux: Fixture) -> None:
     assert p.returncode == 2 and "no stack named nope" in p.stderr
 
 
+KEPT = """\
+from vllm import mod
+
+
+def test_scale_keeps_its_argument():
+    assert mod.scale(2) == 2
+"""
+
+
+def test_kept_test_fails_on_the_base_and_passes_patched(ux: Fixture) -> None:
+    """A patch's own test for vLLM (tests/upstream/<stack>/<patch>/, files
+    at their vLLM paths) runs in both trees beside vLLM's tests: proven
+    when it fails on the base and passes patched; exit 1 when it does not
+    (a test that passes on the base proves nothing)."""
+    update = ux.project / "tests" / "upstream" / "fx" / "0002-fix-scale.diff"
+    update.parent.mkdir(parents=True)
+    update.write_text(UPDATE)
+    kept = ux.project / "tests/upstream/fx/0002-fix-scale/tests/test_scale_kept.py"
+    kept.parent.mkdir(parents=True)
+    kept.write_text(KEPT)
+    p = ux.run("upstream", "fx", "--repo", str(ux.upstream))
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert "  base: 2 passed\n  patched: 2 passed\n" in p.stdout
+    assert "  kept tests/test_scale_kept.py (fx/0002-fix-scale.patch): failed " \
+        "on the base, passed patched\n" in p.stdout
+    kept.write_text(KEPT.replace("== 2", "> 0"))
+    p = ux.run("upstream", "fx", "--repo", str(ux.upstream))
+    assert p.returncode == 1, p.stdout + p.stderr
+    assert "  NOT PROVEN tests/test_scale_kept.py (fx/0002-fix-scale.patch): " \
+        "passed on the base, passed patched\n" in p.stdout
+
+
 def sdist(folder: Path, version: str, files: dict[str, str]) -> Path:
     """A stand-in vllm-VERSION.tar.gz holding `files` under its top folder."""
     folder.mkdir(parents=True, exist_ok=True)
