@@ -67,10 +67,12 @@ lap mutants
 # the tool's tests, one file per worker, as many workers as apply.py's lanes
 # (the eight slowest named);
 # the patch tests need a vLLM tree: the main job and the mutants ran them,
-# and the summary's lines, last, say how many
+# and the summary's lines, last, say how many; the patches' own tests for
+# vLLM (tests/upstream/) run in vLLM's tree: apply.py upstream ran them
 jobs=$(.venv/bin/python -c 'from applylib.lanes import lanes; print(lanes())') || exit 2
 VLLM_PATCHES_REPORT=build/report.json .venv/bin/python -m pytest -q -ra tests \
-  --ignore=tests/patches -n "$jobs" --dist loadfile --durations=8 "$@"
+  --ignore=tests/patches --ignore=tests/upstream -n "$jobs" --dist loadfile \
+  --durations=8 "$@"
 tests=$?
 lap "tool tests"
 .venv/bin/python ci/summary.py build
