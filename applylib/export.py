@@ -50,7 +50,12 @@ from .series import (
     pick_patch,
 )
 from .testrun import test_python
-from .upstreamsuite import diff_files, upstream_diff, upstream_tests
+from .upstreamsuite import (
+    diff_files,
+    upstream_diff,
+    upstream_test_dir,
+    upstream_tests,
+)
 from .upstreamtest import before_and_with, fail_without_fix
 from .wheelbuild import add_wheel_options, cmd_wheel
 
@@ -562,7 +567,7 @@ def place_tests(job: ExportJob, wt: Path, am_commit: str, dest: str) -> PlacedTe
 def place_kept_tests(job: ExportJob, wt: Path) -> PlacedTests:
     """The patch's own test for vLLM (upstream_tests) copied as it is to its
     paths in the worktree, staged; the series' tests stay in the project."""
-    src = job.series.root / upstream_diff(job.entry).with_suffix("")
+    src = job.series.root / upstream_test_dir(job.entry)
     tests = PlacedTests([], {}, {}, kept=job.kept)
     for rel in job.kept:
         if (wt / rel).exists():

@@ -40,11 +40,18 @@ def upstream_diff(entry: str) -> Path:
     return Path("tests") / "upstream" / Path(entry).with_suffix(".diff")
 
 
+def upstream_test_dir(entry: str) -> Path:
+    """Where the series keeps a patch's own test written for vLLM, beside
+    its update of vLLM's tests (tests/upstream/<stack>/<patch>/), relative
+    to its root."""
+    return upstream_diff(entry).with_suffix("")
+
+
 def upstream_tests(root: Path, entry: str) -> list[str]:
-    """A patch's own test written for vLLM, kept beside its update of vLLM's
-    tests (tests/upstream/<stack>/<patch>/): each file's path in vLLM's
-    tree (the path below that folder), sorted; [] when it has none."""
-    kept = root / upstream_diff(entry).with_suffix("")
+    """The files of a patch's own test for vLLM (upstream_test_dir): each
+    one's path in vLLM's tree (the path below that folder), sorted; []
+    when it has none."""
+    kept = root / upstream_test_dir(entry)
     files = kept.rglob("*") if kept.is_dir() else ()
     return sorted(
         f.relative_to(kept).as_posix()
@@ -239,7 +246,7 @@ def kept_tests(root: Path, stack: Stack, trees: tuple[Path, Path]) -> dict[str, 
     both trees: their vLLM path -> the patch."""
     kept = {}
     for entry in stack.patches:
-        src = root / upstream_diff(entry).with_suffix("")
+        src = root / upstream_test_dir(entry)
         for rel in upstream_tests(root, entry):
             for tree in trees:
                 (tree / rel).parent.mkdir(parents=True, exist_ok=True)
