@@ -211,6 +211,11 @@ def tests_before_and_with(
             )
     if pr.tests_ok:
         return f"{where}: {text}"
+    if "| skipped (" in text:
+        return (
+            f"{where}: {text}\nnot proven here: a regression test skips on this "
+            "host (the table says why); run export --run-tests where it runs"
+        )
     return (
         f"{where}: {text}\nnot ready: a regression test did not fail before "
         "and pass with the change under plain pytest"

@@ -17,8 +17,10 @@ from .series import Patch
 # its series' words (a PR stands alone, with its evidence as numbers).
 SERIES_WORDS = re.compile(
     r"(?<![\w/.-])(?:ci|docs|patches|tests/patches)/"
-    r"|\b(?:previous|next|earlier|later) patch(?:es)?\b"
+    r"|\b(?:previous|next|earlier|later)(?: \w+)? patch(?:es)?\b"
+    r"|(?<![\w.-])0\d{3}(?:'s)?\b"
     r"|\b(?:the|this) series\b|\bvllm-patches\b|\bapply\.py\b"
+    r"|\bthis applies on\b|\bthis patch can be dropped\b"
     r"|\b(?:tq|tq-v0\.33|dsv4)/\d{4}\b",
     re.IGNORECASE,
 )
@@ -386,8 +388,10 @@ def pr_message(
     text, trailers = split_trailers(msg)
     subject, _, body = text.partition("\n")
     own = TemplateSections.of(body)
-    if kept_test and own.plan:
-        own.plan, own.dropped = [], [*own.dropped, "Test plan"]
+    if kept_test:  # the patch's plan and result are about the series' tests
+        own.dropped += [t for t, part in (("Test plan", own.plan),
+                                          ("Test result", own.result)) if part]  # fmt: skip
+        own.plan, own.result = [], []
     plan = pr_test_plan(node_ids, own.plan, renames, fix_pr)
     links = pr_links(patch, needs)
     if fix_pr:
@@ -428,6 +432,11 @@ class TemplateSections:
         own = cls([], [], [], [])
         for title, part in message_sections(body):
             key = (title or "purpose").lower()
+            part, when = without_when_to_drop(part)
+            if when and "When to drop" not in own.dropped:
+                own.dropped.append("When to drop")
+            if not part:
+                continue
             if key == "purpose":
                 own.purpose.append(part)
             elif key.startswith("test plan") or key in ("testing", "tests"):
@@ -439,6 +448,20 @@ class TemplateSections:
             else:
                 own.purpose.append(f"### {title}\n\n{part}")
         return own
+
+
+WHEN_TO_DROP = re.compile(
+    r"This\s+patch\s+can\s+be\s+dropped\b.*?(?=\n\n|\Z)", re.DOTALL
+)
+
+
+def without_when_to_drop(text: str) -> tuple[str, bool]:
+    """`text` without its "This patch can be dropped once ..." sentences
+    (about the series only: each runs to the end of its paragraph), and
+    whether it had one."""
+    out = WHEN_TO_DROP.sub("", text)
+    out = re.sub(r"[ \t]*\n(?=\n|\Z)", "\n", out)  # the cut's trailing space
+    return re.sub(r"\n{3,}", "\n\n", out).strip(), out != text
 
 
 def pr_links(patch: Patch, needs: list[Patch]) -> list[str]:

@@ -17,6 +17,7 @@ from .core import gout
 from .testrun import tree_env
 
 OUTCOME = re.compile(r"^(PASSED|FAILED|ERROR|XFAIL|XPASS) (\S+)")
+SKIPPED = re.compile(r"^SKIPPED \[\d+\] ([^:\s]+)(?::\d+)?: (.*)$")
 # The host, the same for every tree. CPU-only: Triton kernels run in
 # Triton's interpreter (vLLM turns Triton off without a GPU driver
 # otherwise), and vLLM's conftest's emptying of the accelerator's caches
@@ -65,14 +66,21 @@ def run_plain(
 
 def plain_pytest(tree: Path, ids: list[str], python: str) -> dict[str, str]:
     """Each test id's outcome (`outcome`) under plain pytest in `tree`, on
-    this host (HOST_PLUGIN)."""
+    this host (HOST_PLUGIN); "skipped (REASON)" for one that its file's skip
+    left unrun here."""
     p = run_plain(tree, ids, python, HOST_PLUGIN)
-    seen = {}
+    seen, skipped = {}, {}
     for line in p.stdout.splitlines():
-        m = OUTCOME.match(line)
-        if m:
+        if m := OUTCOME.match(line):
             seen[m.group(2)] = m.group(1).lower()
-    return {t: outcome(t, seen) for t in ids}
+        elif m := SKIPPED.match(line):
+            skipped.setdefault(m.group(1), m.group(2))
+    got = {t: outcome(t, seen) for t in ids}
+    for t in ids:
+        why = skipped.get(t.split("::")[0])
+        if got[t] == "not run" and why:
+            got[t] = f"skipped ({why})"
+    return got
 
 
 def outcome(test: str, seen: dict[str, str]) -> str:

@@ -128,6 +128,19 @@ def _(fx: Fixture) -> subprocess.CompletedProcess:
     return fx.run("export", "0001", "--repo", str(fx.upstream))
 
 
+@case("export-not-proven-here")
+def _(fx: Fixture) -> subprocess.CompletedProcess:
+    standard_stack(fx)
+    kept = fx.project / "tests/upstream/fx/0001-fix-add/tests/test_add_gpu.py"
+    kept.parent.mkdir(parents=True)
+    kept.write_text(
+        "import pytest\n\n\n"
+        '@pytest.mark.skip(reason="needs a GPU")\n'
+        "def test_add():\n    pass\n"
+    )
+    return fx.run("export", "0001", "--repo", str(fx.upstream), "--run-tests")
+
+
 @case("export-no-identity")
 def _(fx: Fixture) -> subprocess.CompletedProcess:
     standard_stack(fx)
