@@ -29,6 +29,10 @@ Each cell, CUDA-graph replayed, L2 flushed before every replay, median of 25:
          (``peer``) and its tensor-core path forced (``peer_mma``)
   prev   (--prev FILE) another grouped decode module (the kernel a patch
          replaced, e.g. 0009's), at its own split count
+  planeKwWsS (--plane FILE, --plane-configs K:W:S,...) a stage 1 on the
+         page-local plane layout (tq_plane_decode.py, issue 54) on the same
+         cache bytes in that layout, K tokens a step, W warps, its loop
+         pipelined over S stages
 
 --errors: each kernel's relative L2 error on requests 0 and B - 1 of every
 cell against float64 attention over the K/V the cache bytes decode to
@@ -56,6 +60,7 @@ import contextlib
 import itertools
 import json
 import math
+import re
 import statistics
 import sys
 import time
@@ -103,6 +108,8 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--peer", help="vllm#53060's staged sources (peer_stage.sh)")
     ap.add_argument("--errors", action="store_true", help="errors vs float64")
     ap.add_argument("--prev", help="a grouped decode module file, timed as 'prev'")
+    ap.add_argument("--plane", help="tq_plane_decode.py: the plane layout's decode")
+    ap.add_argument("--plane-configs", default="16:1:1", help="BLOCK_KV:warps:stages")
     args = ap.parse_args()
     VERIFY, ERRORS = args.verify, args.errors
     if args.small:
@@ -427,6 +434,26 @@ def launchers(env, p: Preset, cell: dict, batch: int) -> dict:
             )
 
         calls["prev"] = prev
+    if getattr(p, "plane_kv", None) is not None:
+        calls.update(plane_calls(env, p, common, buffers, budget, batch))
+    return calls
+
+
+def plane_calls(env, p: Preset, common: dict, buffers, budget: int, batch: int):
+    """--plane: its decode on the plane copy of the cache, a call a config."""
+    mod, calls = env.plane, {}
+    args = {**common, "kv_cache": p.plane_kv, "block_size": BLOCK}
+    s = mod.splits(batch, HK, budget, tqlib.DEVICE)
+
+    def at(config: tuple):
+        def plane():
+            mod.CONFIG = config
+            return mod.plane_decode_attention(num_kv_splits=s, **buffers(s), **args)
+
+        return plane
+
+    for k, w, n in env.plane_configs:
+        calls[f"plane{k}w{w}s{n}"] = at((k, w, n))
     return calls
 
 
@@ -505,6 +532,9 @@ def run_cell(env, p: Preset, kv, batch: int, length: int, flush, best) -> dict:
     cell = p.metadata(batch, length)
     calls = launchers(env, p, cell, batch)
     peer_and_errors(env, p, cell, (batch, length), calls, row)
+    for name in [n for n in calls if n.startswith("plane")]:  # same arithmetic
+        want = calls["new"]().float().clone()
+        row[f"{name}_vs_new"] = float((calls[name]().float() - want).abs().max())
     if VERIFY:
         calls.update(verify_calls(env, p, cell, batch, row))
     if tqlib.HAS_CUDA:
@@ -538,6 +568,7 @@ def peer_and_errors(env, p: Preset, cell: dict, bl: tuple, calls: dict, row) -> 
         row.update(meta)
     if ERRORS:
         names = [n for n in ("up", "new", "peer", "peer_mma", "prev") if n in calls]
+        names += [n for n in calls if n.startswith("plane")]
         ref = tqpeer.reference_shape(p.impl, p.layer, p.slots, HQ, BLOCK)
         fns = {n: calls[n] for n in names}
         row.update(tqpeer.errors(ref, q, cell["table"], length, fns))
@@ -599,7 +630,8 @@ def fitting_cells(preset: str, copies: int = 1) -> tuple[list, int]:
 
 def run_preset(env, preset: str, args, flush, res: dict) -> None:
     peer = env.peer is not None and preset == tqpeer.PRESET
-    cells, fa_tokens = fitting_cells(preset, 2 if peer else 1)
+    plane = env.plane is not None and preset in env.plane.PRESETS
+    cells, fa_tokens = fitting_cells(preset, 1 + peer + plane)
     if args.cells:
         cells = [c for c in cells if c in args.cells]
     if not cells:  # none of --cells fits (or is this preset's)
@@ -611,6 +643,8 @@ def run_preset(env, preset: str, args, flush, res: dict) -> None:
     p = Preset(env, preset, cells)
     if peer:
         p.peer_kv = tqpeer.to_peer_layout(p.slots, p.cfg)
+    if plane:
+        p.plane_kv = env.plane.to_plane_layout(p.slots, p.cfg)
     kv = None
     if fa_tokens:
         kv = torch.empty(2, fa_tokens, HK, D, dtype=DTYPE, device=tqlib.DEVICE)
@@ -640,9 +674,12 @@ def table(res: dict) -> str:
     cols = ("floor_ms", "up", "new", "fwd", "best", "fa2", "fa2v")
     cols += ("peer", "peer_mma") if peer else ()
     cols += ("prev",) if any("prev" in r for r in rows) else ()
+    planes = sorted({k for r in rows for k in r if re.fullmatch(r"plane\d+w\d+s\d+", k)})
+    cols += tuple(planes)
     ratios = ("new/floor", "new/fa2", "up/new") + (
         ("peer/fa2", "new/peer") if peer else ()
     )
+    ratios += ("plane/floor", "plane/fa2", "plane/new") if planes else ()
     head = "| preset | B | L | " + " | ".join(cols + ratios) + " |"
     device = res["device"].get("device")
     bw = res["ceilings"]["copy_bytes_per_s"] / 1e12
@@ -657,6 +694,10 @@ def table(res: dict) -> str:
             both = [r[k] for k in ("peer", "peer_mma") if isinstance(r.get(k), float)]
             top = min(both, default=math.nan)
             ratio += [top / r.get("fa2", math.nan), fast / top]
+        if planes:  # the fastest plane config against the floor and FA2
+            top = min((r[k] for k in planes if isinstance(r.get(k), float)),
+                      default=math.nan)  # fmt: skip
+            ratio += [top / r["floor_ms"], top / r.get("fa2", math.nan), top / fast]
         lines.append(
             f"| {r['preset'].removeprefix('turboquant_')} | {r['B']} | {r['L']} | "
             + " | ".join(
@@ -677,6 +718,7 @@ def error_lines(rows: list) -> list[str]:
     """The relative L2 errors against float64 (--errors), a row a cell."""
     names = [n for n in ("up", "new", "peer", "peer_mma", "prev")
              if any(f"err_{n}" in r for r in rows)]  # fmt: skip
+    names += sorted({k[4:] for r in rows for k in r if k.startswith("err_plane")})
     if not names:
         return []
     out = ["", "relative L2 error against float64 (requests 0 and B - 1):", "",
@@ -702,6 +744,10 @@ def main() -> int:
     if args.prev:
         env.prev = tqlib.load_module("prev_grouped_decode", args.prev)
     env.peer = tqpeer.try_build(args.peer, env.errors) if args.peer else None
+    env.plane = tqlib.load_module("plane_decode", args.plane) if args.plane else None
+    env.plane_configs = [
+        tuple(int(x) for x in c.split(":")) for c in args.plane_configs.split(",")
+    ]
     env.ceil = tqlib.ceilings()
     res = {
         "device": tqlib.device_info(),
@@ -730,6 +776,9 @@ def main() -> int:
         except Exception:
             env.errors.append(traceback.format_exc()[-3000:])
             print(env.errors[-1], flush=True)
+    if env.plane is not None and tqlib.HAS_CUDA:
+        res["plane_compiled"] = env.plane.compiled_info()
+        print(f"plane stage 1 compiled: {res['plane_compiled']}", flush=True)
     res["errors"] = env.errors
     (out / "tq_decode_bench.json").write_text(json.dumps(res, indent=1, default=str))
     text = table(res)
