@@ -29,10 +29,12 @@ Each cell, CUDA-graph replayed, L2 flushed before every replay, median of 25:
          (``peer``) and its tensor-core path forced (``peer_mma``)
   prev   (--prev FILE) another grouped decode module (the kernel a patch
          replaced, e.g. 0009's), at its own split count
-  planeKwWsS (--plane FILE, --plane-configs K:W:S,...) a stage 1 on the
-         page-local plane layout (tq_plane_decode.py, issue 54) on the same
-         cache bytes in that layout, K tokens a step, W warps, its loop
-         pipelined over S stages
+  planeKwWsS (--plane FILE, --plane-configs K:W:S[:c],...) a stage 1 on
+         the page-local plane layout (tq_plane_decode.py, issue 54) on the
+         same cache bytes in that layout, K tokens a step, W warps, its
+         loop pipelined over S stages; ``c``: 4-bit keys' norms corrected
+         by the store (planeKwWsSc: norm / ||c||, no correction in the
+         decode)
 
 --errors: each kernel's relative L2 error on requests 0 and B - 1 of every
 cell against float64 attention over the K/V the cache bytes decode to
@@ -442,18 +444,25 @@ def launchers(env, p: Preset, cell: dict, batch: int) -> dict:
 def plane_calls(env, p: Preset, common: dict, buffers, budget: int, batch: int):
     """--plane: its decode on the plane copy of the cache, a call a config."""
     mod, calls = env.plane, {}
-    args = {**common, "kv_cache": p.plane_kv, "block_size": BLOCK}
+    args = {**common, "block_size": BLOCK}
     s = mod.splits(batch, HK, budget, tqlib.DEVICE)
 
-    def at(config: tuple):
+    def at(config: tuple, fixed: bool):
+        more = {"kv_cache": p.plane_kv_c, "norm_correction": False} if fixed else {
+            "kv_cache": p.plane_kv}
+
         def plane():
             mod.CONFIG = config
-            return mod.plane_decode_attention(num_kv_splits=s, **buffers(s), **args)
+            return mod.plane_decode_attention(
+                num_kv_splits=s, **buffers(s), **{**args, **more}
+            )
 
         return plane
 
-    for k, w, n in env.plane_configs:
-        calls[f"plane{k}w{w}s{n}"] = at((k, w, n))
+    for k, w, n, *c in env.plane_configs:
+        if c and getattr(p, "plane_kv_c", None) is None:
+            continue
+        calls[f"plane{k}w{w}s{n}{''.join(c)}"] = at((int(k), int(w), int(n)), bool(c))
     return calls
 
 
@@ -631,7 +640,8 @@ def fitting_cells(preset: str, copies: int = 1) -> tuple[list, int]:
 def run_preset(env, preset: str, args, flush, res: dict) -> None:
     peer = env.peer is not None and preset == tqpeer.PRESET
     plane = env.plane is not None and preset in env.plane.PRESETS
-    cells, fa_tokens = fitting_cells(preset, 1 + peer + plane)
+    copies = 1 + peer + plane * (1 + any(len(c) > 3 for c in env.plane_configs))
+    cells, fa_tokens = fitting_cells(preset, copies)
     if args.cells:
         cells = [c for c in cells if c in args.cells]
     if not cells:  # none of --cells fits (or is this preset's)
@@ -645,6 +655,9 @@ def run_preset(env, preset: str, args, flush, res: dict) -> None:
         p.peer_kv = tqpeer.to_peer_layout(p.slots, p.cfg)
     if plane:
         p.plane_kv = env.plane.to_plane_layout(p.slots, p.cfg)
+        if not p.cfg.key_fp8 and any(len(c) > 3 for c in env.plane_configs):
+            cen = p.layer._tq_centroids
+            p.plane_kv_c = env.plane.to_plane_layout(p.slots, p.cfg, cen)
     kv = None
     if fa_tokens:
         kv = torch.empty(2, fa_tokens, HK, D, dtype=DTYPE, device=tqlib.DEVICE)
@@ -674,7 +687,7 @@ def table(res: dict) -> str:
     cols = ("floor_ms", "up", "new", "fwd", "best", "fa2", "fa2v")
     cols += ("peer", "peer_mma") if peer else ()
     cols += ("prev",) if any("prev" in r for r in rows) else ()
-    planes = sorted({k for r in rows for k in r if re.fullmatch(r"plane\d+w\d+s\d+", k)})
+    planes = sorted({k for r in rows for k in r if re.fullmatch(r"plane\d+w\d+s\d+c?", k)})
     cols += tuple(planes)
     ratios = ("new/floor", "new/fa2", "up/new") + (
         ("peer/fa2", "new/peer") if peer else ()
@@ -745,9 +758,7 @@ def main() -> int:
         env.prev = tqlib.load_module("prev_grouped_decode", args.prev)
     env.peer = tqpeer.try_build(args.peer, env.errors) if args.peer else None
     env.plane = tqlib.load_module("plane_decode", args.plane) if args.plane else None
-    env.plane_configs = [
-        tuple(int(x) for x in c.split(":")) for c in args.plane_configs.split(",")
-    ]
+    env.plane_configs = [c.split(":") for c in args.plane_configs.split(",")]
     env.ceil = tqlib.ceilings()
     res = {
         "device": tqlib.device_info(),

@@ -23,6 +23,12 @@ layout of vllm#53060 (tqpeer.to_peer_layout), no value changed.
 helpers, unchanged) with the cache in this layout and ``block_size``;
 ``CONFIG`` (tokens a step, warps, pipeline stages) is a module setting
 the bench changes.
+
+``to_plane_layout(..., centroids=C)`` also tries a change of what the
+norm plane holds (the layout is new, so every reader would change with
+it): norm / ||c|| (the norm correction applied once, by the store, in
+fp32, then rounded to fp16 as the norm is), so that the decode drops the
+correction's squares, MMAs and square root (``norm_correction=False``).
 Served: 4-bit values with 4-bit MSE or FP8 keys (``PRESETS``).
 """
 
@@ -51,10 +57,13 @@ def plane_bytes(cfg) -> tuple[int, int, int]:
     return kb, d // 2, 4 if cfg.key_fp8 else 6
 
 
-def to_plane_layout(slots: torch.Tensor, cfg, step: int = 1 << 15) -> torch.Tensor:
+def to_plane_layout(
+    slots: torch.Tensor, cfg, centroids: torch.Tensor | None = None, step: int = 1 << 15
+) -> torch.Tensor:
     """The bytes of a v0.33.0 cache (blocks, block, Hk, slot) in the
     page-local plane layout (blocks, Hk, block x slot), ``step`` blocks at
-    a time; no value changes."""
+    a time; no value changes but, with ``centroids`` (4-bit MSE keys), the
+    norm's: norm / ||c|| in fp16."""
     nb, bs, hk, slot = slots.shape
     kb, vb, fields = plane_bytes(cfg)
     kps = cfg.key_packed_size
@@ -67,10 +76,25 @@ def to_plane_layout(slots: torch.Tensor, cfg, step: int = 1 << 15) -> torch.Tens
     for a in range(0, nb, step):
         part = slots[a : a + step].permute(0, 2, 1, 3)  # (n, Hk, block, slot)
         n = part.shape[0]
+        if centroids is not None:
+            part = part.clone()
+            _correct_norms(part, kb, centroids)
         out[a : a + n] = torch.cat(
             [part[..., x:y].reshape(n, hk, -1) for x, y in cuts], -1
         )
     return out
+
+
+def _correct_norms(part: torch.Tensor, kb: int, centroids: torch.Tensor) -> None:
+    """norm / ||c|| into the norm bytes of ``part`` (n, Hk, block, slot):
+    ||c|| of the 4-bit codes' centroids in fp32, as the decode's reference
+    takes them."""
+    codes = part[..., :kb]
+    c = centroids.float()
+    sq = (c[(codes & 0xF).long()] ** 2).sum(-1) + (c[(codes >> 4).long()] ** 2).sum(-1)
+    norm = part[..., kb : kb + 2].contiguous().view(torch.float16).squeeze(-1)
+    fixed = (norm.float() / torch.sqrt(sq + 1e-16)).to(torch.float16)
+    part[..., kb : kb + 2] = fixed.unsqueeze(-1).view(torch.uint8)
 
 
 @triton.jit
