@@ -448,8 +448,11 @@ def plane_calls(env, p: Preset, common: dict, buffers, budget: int, batch: int):
     s = mod.splits(batch, HK, budget, tqlib.DEVICE)
 
     def at(config: tuple, fixed: bool):
-        more = {"kv_cache": p.plane_kv_c, "norm_correction": False} if fixed else {
-            "kv_cache": p.plane_kv}
+        more = (
+            {"kv_cache": p.plane_kv_c, "norm_correction": False}
+            if fixed
+            else {"kv_cache": p.plane_kv}
+        )
 
         def plane():
             mod.CONFIG = config
@@ -687,7 +690,9 @@ def table(res: dict) -> str:
     cols = ("floor_ms", "up", "new", "fwd", "best", "fa2", "fa2v")
     cols += ("peer", "peer_mma") if peer else ()
     cols += ("prev",) if any("prev" in r for r in rows) else ()
-    planes = sorted({k for r in rows for k in r if re.fullmatch(r"plane\d+w\d+s\d+c?", k)})
+    planes = sorted(
+        {k for r in rows for k in r if re.fullmatch(r"plane\d+w\d+s\d+c?", k)}
+    )
     cols += tuple(planes)
     ratios = ("new/floor", "new/fa2", "up/new") + (
         ("peer/fa2", "new/peer") if peer else ()

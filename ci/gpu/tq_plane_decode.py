@@ -333,7 +333,6 @@ def splits(batch: int, hk: int, budget: int, device) -> int:
     return gd.grouped_decode_num_splits(batch, hk, budget, device, True)
 
 
-
 def compiled_info() -> list[dict]:
     """Each compiled ``_plane_stage1``: warps, stages, the asynchronous copies
     in its TTGIR (0: Triton did not pipeline the loads), registers, spills."""
