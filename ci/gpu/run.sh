@@ -21,7 +21,9 @@
 #   sinks      tq_decode_accuracy.py on trained-model data (--data: sinks,
 #              windows, small/large/outlier values), bf16 (SINK_BF16: more
 #              flags) then fp16 (SINK_FP16), SINK_CAP s each; SINK_PREV=FILE:
-#              another grouped decode module beside the tree's ("prev")
+#              another grouped decode module beside the tree's ("prev");
+#              SINK_VARIANTS="NAME=FILE ...": more (tq_plane_decode.py's);
+#              ACC_BASE as for accuracy
 #   profile    ncu on the grouped decode's stage 1 (PROF_CELL, 32x32768;
 #              PROF_PEER=.peer: vllm#53060's decode kernels too, carry .peer)
 #   upstream   vLLM's own tests of what tq-v0.33 changes, tq33-base against
@@ -138,12 +140,13 @@ part_accuracy() {  # ACC_BASE: v0.33.0's kernel file where tq33-base is not stag
   cat "$OUT"/accuracy/bench_*/tq_decode_table.md "$OUT/accuracy/tq_decode_accuracy.md" 2>/dev/null
 }
 part_sinks() {  # the accuracy suite on trained-model data (issue 51): bf16, then fp16
-  local d args
+  local d args v more=()
+  for v in ${SINK_PREV:+prev=$SINK_PREV} ${SINK_VARIANTS:-}; do more+=(--variant "$v"); done
   for d in bfloat16 float16; do
     args=${SINK_BF16:-}; [ $d = float16 ] && args=${SINK_FP16:-}
     run "sinks_$d" "${SINK_CAP:-280}" $PY ci/gpu/tq_decode_accuracy.py \
-      --tree "$T/tq33-patched" --tree-name patched ${SINK_PREV:+--variant "prev=$SINK_PREV"} \
-      --base-kernel "$T/tq33-base/vllm/v1/attention/ops/triton_turboquant_decode.py" \
+      --tree "$T/tq33-patched" --tree-name patched "${more[@]}" \
+      --base-kernel "${ACC_BASE:-$T/tq33-base/vllm/v1/attention/ops/triton_turboquant_decode.py}" \
       --out "$OUT/sinks_$d" --deadline $(( ${SINK_CAP:-280} - 40 )) --dtype $d $args $SMALL_ARG
     cat "$OUT/sinks_$d/tq_decode_accuracy.md" 2>/dev/null
   done

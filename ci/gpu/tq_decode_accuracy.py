@@ -126,6 +126,8 @@ def kernels(args, gd: ModuleType) -> tuple[ModuleType, dict, dict]:
     for spec in args.variant:
         name, path = spec.split("=", 1)
         grouped[name] = tqlib.load_module(f"tq_accuracy_{name}", path)
+        if hasattr(grouped[name], "configure"):  # one file, many variants
+            grouped[name].configure(name)
         files[name] = [path, sha256(path)]
     return up, grouped, files
 
@@ -155,9 +157,13 @@ class Shape:
         self.hadamard = tb().__dict__["_hadamard"](d).to(tqlib.DEVICE)
         self.centroids = self.layer._tq_centroids.double()
 
-    def dequant(self, raw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def dequant(
+        self, raw: torch.Tensor, norms: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """K, V (n, Hk, D) float64 of slot bytes ``raw`` (n, Hk, slot) on the
-        device: tqbatches.dequant's decoding, its Hadamard on the device."""
+        device: tqbatches.dequant's decoding, its Hadamard on the device;
+        with ``norms`` (n, Hk) the keys' norms corrected (norm / ||c||) in
+        place of the slots' norms and their correction."""
         t, cfg, d = tb(), self.cfg, self.d
         b = raw.to(torch.int32)
         if cfg.key_fp8:
@@ -165,9 +171,13 @@ class Shape:
         else:
             mse = math.ceil(d * cfg.key_mse_bits / 8)
             c = self.centroids[unpack(b, 0, cfg.key_mse_bits, d).long()]
-            if cfg.norm_correction:
-                c = c / torch.sqrt((c * c).sum(-1, keepdim=True) + 1e-16)
-            k = (t._f16(raw[..., mse : mse + 2]).unsqueeze(-1) * c) @ self.hadamard
+            if norms is not None:
+                k = (norms.double().unsqueeze(-1) * c) @ self.hadamard
+            else:
+                if cfg.norm_correction:
+                    c = c / torch.sqrt((c * c).sum(-1, keepdim=True) + 1e-16)
+                norm = t._f16(raw[..., mse : mse + 2]).unsqueeze(-1)
+                k = (norm * c) @ self.hadamard
         base, bits = cfg.key_packed_size, cfg.effective_value_quant_bits
         nbytes = math.ceil(d * bits / 8)
         idx = unpack(b, base, bits, d).double()
@@ -175,9 +185,11 @@ class Shape:
         zero = t._f16(raw[..., base + nbytes + 2 : base + nbytes + 4]).unsqueeze(-1)
         return k, idx * scale + zero
 
-    def reference(self, q: torch.Tensor, table_row: torch.Tensor, n: int):
+    def reference(self, q: torch.Tensor, table_row: torch.Tensor, n: int,
+                  norms: torch.Tensor | None = None):  # fmt: skip
         """Float64 attention of one request's query (Hq, D) over its ``n``
-        tokens, in chunks of CHUNK tokens with an online softmax."""
+        tokens, in chunks of CHUNK tokens with an online softmax (``norms``:
+        the cache's corrected norms (blocks, block, Hk), see dequant)."""
         qq = q.double().view(HK, self.gqa, self.d)
         m = torch.full((HK, self.gqa, 1), -math.inf, dtype=torch.float64,
                        device=q.device)  # fmt: skip
@@ -186,7 +198,8 @@ class Shape:
         for a in range(0, n, CHUNK):
             pos = torch.arange(a, min(n, a + CHUNK), device=q.device)
             blocks = table_row[pos // BLOCK].long()
-            k, v = self.dequant(self.cache.slots[blocks, pos % BLOCK])
+            fixed = None if norms is None else norms[blocks, pos % BLOCK]
+            k, v = self.dequant(self.cache.slots[blocks, pos % BLOCK], fixed)
             s = torch.einsum("hgd,thd->hgt", qq, k) * self.impl.scale
             m_new = torch.maximum(m, s.amax(-1, keepdim=True))
             p = torch.exp(s - m_new)
@@ -265,11 +278,17 @@ class Cell:
         self.args = bench.decode_args(
             shape.impl, shape.layer, q, shape.cache.slots, table, seq_lens
         )
+        self.q, self.table = q, table
         t0 = time.time()
-        self.ref = torch.stack(
-            [shape.reference(q[r], table[r], length) for r in self.rows]
-        )
+        self.ref = self.reference()
         self.ref_s = time.time() - t0
+
+    def reference(self, norms: torch.Tensor | None = None) -> torch.Tensor:
+        """The sampled rows' float64 attention (``norms``: Shape.dequant's)."""
+        return torch.stack([
+            self.shape.reference(self.q[r], self.table[r], self.length, norms)
+            for r in self.rows
+        ])  # fmt: skip
 
     def buffers(self, splits: int) -> dict:
         b, hq, d = self.batch, self.shape.hq, self.shape.d
@@ -280,18 +299,21 @@ class Cell:
             "lse_buf": torch.empty(b, hq, device=dev),
         }
 
-    def measure(self, fn, flush) -> dict:
-        """Run ``fn`` (returns the output), its errors on the sampled rows,
-        then its time."""
+    def measure(self, fn, flush, ref=None, timed: bool = True) -> dict:
+        """Run ``fn`` (returns the output), its errors on the sampled rows
+        (against ``ref``, else the cell's), then its time."""
+        ref = self.ref if ref is None else ref
         out = fn().clone()
         got = out[self.rows].double()
-        diff = got - self.ref
+        diff = got - ref
         res = {
-            "err": float(diff.norm() / self.ref.norm()),
+            "err": float(diff.norm() / ref.norm()),
             "max_abs": float(diff.abs().max()),
             "bias": float(diff.mean() / diff.pow(2).mean().sqrt().clamp_min(1e-300)),
             "finite": bool(torch.isfinite(got).all()),
         }
+        if not timed:
+            return res
         try:
             res["ms"] = bench.graph_time(fn, flush, REPS)["median_ms"]
         except Exception as e:  # the error is what counts: record, go on
@@ -319,7 +341,14 @@ class Cell:
                 num_kv_splits=splits, **bufs, **self.args
             )
 
-        res = self.measure(fn, flush)
+        ref, norms_of = None, getattr(module, "reference_norms", None)
+        if norms_of is not None:  # a cache of its own: its norms may differ
+            fn()
+            norms = norms_of(self.shape.cache.slots)
+            ref = None if norms is None else self.reference(norms)
+        res = self.measure(fn, flush, ref)
+        if ref is not None:  # its error against the cell's reference too
+            res["err_vs_cache"] = self.measure(fn, None, None, timed=False)["err"]
         cfg = self.shape.cfg
         bkv = module._config(
             cfg.key_fp8, cfg.key_mse_bits, cfg.effective_value_quant_bits
@@ -402,10 +431,11 @@ def brief(row: dict) -> str:
 # --------------------------------------------------------------------------
 
 
-def fitting(preset: str, d: int, cells: list) -> tuple[list, int]:
-    """The cells whose cache fits the free memory less 8 GiB (buffers, the
-    reference's chunks, the flush), and the blocks of the largest."""
-    slot = h.tq_slot_size(f"turboquant_{preset}", d)
+def fitting(preset: str, d: int, cells: list, copies: int = 1) -> tuple[list, int]:
+    """The cells whose cache (``copies``: one more a variant converting it)
+    fits the free memory less 8 GiB (buffers, the reference's chunks, the
+    flush), and the blocks of the largest."""
+    slot = h.tq_slot_size(f"turboquant_{preset}", d) * copies
     free = torch.cuda.mem_get_info()[0] - (8 << 30) if tqlib.HAS_CUDA else 1 << 40
     fits = [c for c in cells if c[0] * c[1] * HK * slot <= free]
     blocks = max((b * -(-n // BLOCK) for b, n in fits), default=0)
@@ -416,7 +446,9 @@ def run_dim_preset(env, d: int, preset: str, res: dict, t_end: float) -> None:
     """Every data mode, GQA and cell of one (head size, preset) on one cache."""
     cells = list(CELLS)
     sweep = SWEEP if SWEEP and SWEEP[:2] == (preset, d) else None
-    fits, num_blocks = fitting(preset, d, cells + ([sweep[3]] if sweep else []))
+    copies = 1 + sum(hasattr(m, "configure") for m in env.grouped.values())
+    more = [sweep[3]] if sweep else []
+    fits, num_blocks = fitting(preset, d, cells + more, copies)
     for c in cells:
         if c not in fits:
             res["not_run"].append([preset, d, None, *c, "memory"])

@@ -29,12 +29,14 @@ Each cell, CUDA-graph replayed, L2 flushed before every replay, median of 25:
          (``peer``) and its tensor-core path forced (``peer_mma``)
   prev   (--prev FILE) another grouped decode module (the kernel a patch
          replaced, e.g. 0009's), at its own split count
-  planeKwWsS (--plane FILE, --plane-configs K:W:S[:c],...) a stage 1 on
-         the page-local plane layout (tq_plane_decode.py, issue 54) on the
-         same cache bytes in that layout, K tokens a step, W warps, its
-         loop pipelined over S stages; ``c``: 4-bit keys' norms corrected
-         by the store (planeKwWsSc: norm / ||c||, no correction in the
-         decode)
+  planeKwWsS, soaKwWsS (--plane FILE, --plane-configs K:W:S[:FLAGS],...)
+         a stage 1 on the page-local plane layout or (FLAG ``s``)
+         v0.33.0's turboquant_soa layout (tq_plane_decode.py, issue 54) on
+         the same cache bytes in that layout, K tokens a step, W warps, its
+         loop pipelined over S stages; FLAG ``c``: 4-bit keys' norms
+         corrected by the store (...c: norm / ||c||, as turboquant_soa's
+         store holds them, no correction in the decode); its error
+         ``err_X_own`` against the K/V its own bytes decode to
 
 --errors: each kernel's relative L2 error on requests 0 and B - 1 of every
 cell against float64 attention over the K/V the cache bytes decode to
@@ -59,6 +61,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import itertools
 import json
 import math
@@ -68,6 +71,7 @@ import sys
 import time
 import traceback
 from pathlib import Path
+from types import SimpleNamespace
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch
@@ -436,37 +440,43 @@ def launchers(env, p: Preset, cell: dict, batch: int) -> dict:
             )
 
         calls["prev"] = prev
-    if getattr(p, "plane_kv", None) is not None:
+    if getattr(p, "plane_kv", None):
         calls.update(plane_calls(env, p, common, buffers, budget, batch))
     return calls
 
 
 def plane_calls(env, p: Preset, common: dict, buffers, budget: int, batch: int):
-    """--plane: its decode on the plane copy of the cache, a call a config."""
-    mod, calls = env.plane, {}
+    """--plane: its decode on its copy of the cache, a call a variant."""
+    s = env.plane.splits(batch, HK, budget, tqlib.DEVICE)
     args = {**common, "block_size": BLOCK}
-    s = mod.splits(batch, HK, budget, tqlib.DEVICE)
+    del args["kv_cache"]
 
-    def at(config: tuple, fixed: bool):
-        more = (
-            {"kv_cache": p.plane_kv_c, "norm_correction": False}
-            if fixed
-            else {"kv_cache": p.plane_kv}
-        )
-
+    def at(v):
         def plane():
-            mod.CONFIG = config
-            return mod.plane_decode_attention(
-                num_kv_splits=s, **buffers(s), **{**args, **more}
-            )
+            return v.decode(p.plane_kv[v.layout, v.folded][0], HK, num_kv_splits=s,
+                            **buffers(s), **args)  # fmt: skip
 
         return plane
 
-    for k, w, n, *c in env.plane_configs:
-        if c and getattr(p, "plane_kv_c", None) is None:
+    return {v.name: at(v) for v in plane_variants(env, p.cfg)}
+
+
+def is_plane(name: str) -> bool:
+    """A --plane variant's call or column (plane16w1s1, soa64w4s1c)."""
+    return re.fullmatch(r"(plane|soa)\d+w\d+s\d+c?", name) is not None
+
+
+def plane_variants(env, cfg) -> list:
+    """--plane-configs K:W:S[:FLAGS] as the module's variants (FLAGS: ``s``
+    its SoA layout, ``c`` folded norms; ``c`` only with MSE keys)."""
+    out = []
+    for k, w, n, *flags in env.plane_configs:
+        flags = "".join(flags)
+        if "c" in flags and cfg.key_fp8:
             continue
-        calls[f"plane{k}w{w}s{n}{''.join(c)}"] = at((int(k), int(w), int(n)), bool(c))
-    return calls
+        layout = "soa" if "s" in flags else "plane"
+        out.append(env.plane.Variant(f"{layout}{k}w{w}s{n}{'c' * ('c' in flags)}"))
+    return out
 
 
 def verify_calls(env, p: Preset, cell: dict, batch: int, row: dict) -> dict:
@@ -544,7 +554,7 @@ def run_cell(env, p: Preset, kv, batch: int, length: int, flush, best) -> dict:
     cell = p.metadata(batch, length)
     calls = launchers(env, p, cell, batch)
     peer_and_errors(env, p, cell, (batch, length), calls, row)
-    for name in [n for n in calls if n.startswith("plane")]:  # same arithmetic
+    for name in [n for n in calls if is_plane(n)]:  # the same arithmetic
         want = calls["new"]().float().clone()
         row[f"{name}_vs_new"] = float((calls[name]().float() - want).abs().max())
     if VERIFY:
@@ -580,10 +590,20 @@ def peer_and_errors(env, p: Preset, cell: dict, bl: tuple, calls: dict, row) -> 
         row.update(meta)
     if ERRORS:
         names = [n for n in ("up", "new", "peer", "peer_mma", "prev") if n in calls]
-        names += [n for n in calls if n.startswith("plane")]
+        names += [n for n in calls if is_plane(n)]
         ref = tqpeer.reference_shape(p.impl, p.layer, p.slots, HQ, BLOCK)
         fns = {n: calls[n] for n in names}
         row.update(tqpeer.errors(ref, q, cell["table"], length, fns))
+        for (layout, _), (_, norms) in getattr(p, "plane_kv", {}).items():
+            if norms is None:  # the others' reference holds
+                continue
+            own = {n: fn for n, fn in fns.items()
+                   if n.startswith(layout) and n.endswith("c")}  # fmt: skip
+            mine = SimpleNamespace(
+                reference=functools.partial(ref.reference, norms=norms)
+            )
+            got = tqpeer.errors(mine, q, cell["table"], length, own)
+            row.update({f"{k}_own": v for k, v in got.items() if k.startswith("err")})
 
 
 # --------------------------------------------------------------------------
@@ -643,7 +663,9 @@ def fitting_cells(preset: str, copies: int = 1) -> tuple[list, int]:
 def run_preset(env, preset: str, args, flush, res: dict) -> None:
     peer = env.peer is not None and preset == tqpeer.PRESET
     plane = env.plane is not None and preset in env.plane.PRESETS
-    copies = 1 + peer + plane * (1 + any(len(c) > 3 for c in env.plane_configs))
+    cfg = h.tq_config(preset, D)
+    kinds = {(v.layout, v.folded) for v in plane_variants(env, cfg)} if plane else ()
+    copies = 1 + peer + len(kinds)
     cells, fa_tokens = fitting_cells(preset, copies)
     if args.cells:
         cells = [c for c in cells if c in args.cells]
@@ -656,11 +678,12 @@ def run_preset(env, preset: str, args, flush, res: dict) -> None:
     p = Preset(env, preset, cells)
     if peer:
         p.peer_kv = tqpeer.to_peer_layout(p.slots, p.cfg)
-    if plane:
-        p.plane_kv = env.plane.to_plane_layout(p.slots, p.cfg)
-        if not p.cfg.key_fp8 and any(len(c) > 3 for c in env.plane_configs):
-            cen = p.layer._tq_centroids
-            p.plane_kv_c = env.plane.to_plane_layout(p.slots, p.cfg, cen)
+    if plane:  # a converted cache (and folded norms or None) a layout
+        cen, by_kind = p.layer._tq_centroids, {}
+        for v in plane_variants(env, p.cfg):
+            if (v.layout, v.folded) not in by_kind:
+                by_kind[v.layout, v.folded] = v.convert(p.slots, p.cfg, cen)
+        p.plane_kv = by_kind
     kv = None
     if fa_tokens:
         kv = torch.empty(2, fa_tokens, HK, D, dtype=DTYPE, device=tqlib.DEVICE)
@@ -690,9 +713,7 @@ def table(res: dict) -> str:
     cols = ("floor_ms", "up", "new", "fwd", "best", "fa2", "fa2v")
     cols += ("peer", "peer_mma") if peer else ()
     cols += ("prev",) if any("prev" in r for r in rows) else ()
-    planes = sorted(
-        {k for r in rows for k in r if re.fullmatch(r"plane\d+w\d+s\d+c?", k)}
-    )
+    planes = sorted({k for r in rows for k in r if is_plane(k)})
     cols += tuple(planes)
     ratios = ("new/floor", "new/fa2", "up/new") + (
         ("peer/fa2", "new/peer") if peer else ()
@@ -736,7 +757,8 @@ def error_lines(rows: list) -> list[str]:
     """The relative L2 errors against float64 (--errors), a row a cell."""
     names = [n for n in ("up", "new", "peer", "peer_mma", "prev")
              if any(f"err_{n}" in r for r in rows)]  # fmt: skip
-    names += sorted({k[4:] for r in rows for k in r if k.startswith("err_plane")})
+    variants = {k[4:] for r in rows for k in r if k.startswith("err_")}
+    names += sorted(n for n in variants if is_plane(n.removesuffix("_own")))
     if not names:
         return []
     out = ["", "relative L2 error against float64 (requests 0 and B - 1):", "",

@@ -24,15 +24,28 @@ helpers, unchanged) with the cache in this layout and ``block_size``;
 ``CONFIG`` (tokens a step, warps, pipeline stages) is a module setting
 the bench changes.
 
-``to_plane_layout(..., centroids=C)`` also tries a change of what the
-norm plane holds (the layout is new, so every reader would change with
-it): norm / ||c|| (the norm correction applied once, by the store, in
-fp32, then rounded to fp16 as the norm is), so that the decode drops the
-correction's squares, MMAs and square root (``norm_correction=False``).
+The second layout (``to_soa_layout``, ``layout="soa"``) is v0.33.0's own
+turboquant_soa (its store, dequantization and decode exist, used on ROCm):
+per page a data region [block, Hk, key codes + value codes] (a token's
+code rows 16-byte aligned at every head size served but k3v4 at D 64),
+then the fp16 fields as [Hk, field, block] arrays. Its store folds the
+norm correction into the norm (norm / ||c||, fp32, rounded once to fp16),
+so its decode drops the correction's squares, MMAs and square root
+(``norm_correction=False``); ``folded_norms`` gives those norms for a
+cache of the other layout, for either layout (``norms=``), and for the
+float64 reference of such a cache.
+
+``variant(NAME)`` (NAME: plane|soa + ``K w W s S`` + ``c`` for folded
+norms, e.g. soa16w1s1c) is one configuration with the tree's grouped
+decode's interface over a v0.33.0 cache (converted once a cache
+version): the decode accuracy suite's ``--variant NAME=THIS_FILE``.
 Served: 4-bit values with 4-bit MSE or FP8 keys (``PRESETS``).
 """
 
 from __future__ import annotations
+
+import re
+from types import SimpleNamespace
 
 import torch
 import triton
@@ -57,44 +70,88 @@ def plane_bytes(cfg) -> tuple[int, int, int]:
     return kb, d // 2, 4 if cfg.key_fp8 else 6
 
 
+def _fields(slots: torch.Tensor, cfg) -> tuple[tuple[int, int], ...]:
+    """The byte ranges of a v0.33.0 slot: key codes, value codes, then its
+    fp16 fields (norm for MSE keys, value scale, value zero)."""
+    kb, vb, fields = plane_bytes(cfg)
+    kps = cfg.key_packed_size
+    if kb + vb + fields != slots.shape[-1]:
+        raise ValueError(f"slot of {slots.shape[-1]} bytes: {kb + vb + fields}")
+    norm = () if cfg.key_fp8 else ((kb, kb + 2),)
+    return ((0, kb), (kps, kps + vb), *norm, (kps + vb, kps + vb + 2),
+            (kps + vb + 2, kps + vb + 4))  # fmt: skip
+
+
+def folded_norms(slots: torch.Tensor, cfg, centroids: torch.Tensor) -> torch.Tensor:
+    """(blocks, block, Hk) fp16 norm / ||c|| of 4-bit MSE keys: what a store
+    folding the norm correction (v0.33.0's turboquant_soa store) holds, from
+    the slot's fp16 norm and the codes' fp32 centroids."""
+    kb = plane_bytes(cfg)[0]
+    c = centroids.float()
+    out = torch.empty(slots.shape[:3], dtype=torch.float16, device=slots.device)
+    for a in range(0, slots.shape[0], 1 << 12):
+        codes = slots[a : a + (1 << 12), ..., :kb]
+        sq = (c[(codes & 0xF).long()] ** 2).sum(-1)
+        sq += (c[(codes >> 4).long()] ** 2).sum(-1)
+        norm = slots[a : a + (1 << 12), ..., kb : kb + 2].contiguous()
+        norm = norm.view(torch.float16).squeeze(-1).float()
+        out[a : a + (1 << 12)] = (norm / torch.sqrt(sq + 1e-16)).half()
+    return out
+
+
+def _with_norms(part: torch.Tensor, cfg, norms: torch.Tensor | None) -> torch.Tensor:
+    """``part`` (n, block, Hk, slot), its norm bytes replaced by ``norms``."""
+    if norms is None:
+        return part
+    kb = plane_bytes(cfg)[0]
+    part = part.clone()
+    part[..., kb : kb + 2] = norms.unsqueeze(-1).view(torch.uint8)
+    return part
+
+
 def to_plane_layout(
-    slots: torch.Tensor, cfg, centroids: torch.Tensor | None = None, step: int = 1 << 15
+    slots: torch.Tensor, cfg, norms: torch.Tensor | None = None, step: int = 1 << 15
 ) -> torch.Tensor:
     """The bytes of a v0.33.0 cache (blocks, block, Hk, slot) in the
     page-local plane layout (blocks, Hk, block x slot), ``step`` blocks at
-    a time; no value changes but, with ``centroids`` (4-bit MSE keys), the
-    norm's: norm / ||c|| in fp16."""
+    a time; with ``norms`` (``folded_norms``) in place of the slots'."""
     nb, bs, hk, slot = slots.shape
-    kb, vb, fields = plane_bytes(cfg)
-    kps = cfg.key_packed_size
-    if kb + vb + fields != slot:
-        raise ValueError(f"slot of {slot} bytes: {kb} + {vb} + {fields} expected")
-    norm = () if cfg.key_fp8 else ((kb, kb + 2),)
-    cuts = ((0, kb), (kps, kps + vb), *norm, (kps + vb, kps + vb + 2),
-            (kps + vb + 2, kps + vb + 4))  # fmt: skip
+    cuts = _fields(slots, cfg)
     out = torch.empty(nb, hk, bs * slot, dtype=torch.uint8, device=slots.device)
     for a in range(0, nb, step):
-        part = slots[a : a + step].permute(0, 2, 1, 3)  # (n, Hk, block, slot)
+        part = _with_norms(slots[a : a + step], cfg, _part(norms, a, step))
+        part = part.permute(0, 2, 1, 3)  # (n, Hk, block, slot)
         n = part.shape[0]
-        if centroids is not None:
-            part = part.clone()
-            _correct_norms(part, kb, centroids)
         out[a : a + n] = torch.cat(
             [part[..., x:y].reshape(n, hk, -1) for x, y in cuts], -1
         )
     return out
 
 
-def _correct_norms(part: torch.Tensor, kb: int, centroids: torch.Tensor) -> None:
-    """norm / ||c|| into the norm bytes of ``part`` (n, Hk, block, slot):
-    ||c|| of the 4-bit codes' centroids in fp32, as the decode's reference
-    takes them."""
-    codes = part[..., :kb]
-    c = centroids.float()
-    sq = (c[(codes & 0xF).long()] ** 2).sum(-1) + (c[(codes >> 4).long()] ** 2).sum(-1)
-    norm = part[..., kb : kb + 2].contiguous().view(torch.float16).squeeze(-1)
-    fixed = (norm.float() / torch.sqrt(sq + 1e-16)).to(torch.float16)
-    part[..., kb : kb + 2] = fixed.unsqueeze(-1).view(torch.uint8)
+def to_soa_layout(
+    slots: torch.Tensor, cfg, norms: torch.Tensor | None = None, step: int = 1 << 15
+) -> torch.Tensor:
+    """The bytes of a v0.33.0 cache (blocks, block, Hk, slot) in v0.33.0's
+    turboquant_soa layout (blocks, block x Hk x slot): a data region
+    [block, Hk, key codes + value codes], then [Hk, fields, block] fp16
+    (norm for MSE keys, value scale, value zero); with ``norms`` in place
+    of the slots' (that store folds the norm correction)."""
+    nb, bs, hk, slot = slots.shape
+    cuts = _fields(slots, cfg)
+    data, fields = cuts[:2], cuts[2:]
+    out = torch.empty(nb, bs * hk * slot, dtype=torch.uint8, device=slots.device)
+    for a in range(0, nb, step):
+        part = _with_norms(slots[a : a + step], cfg, _part(norms, a, step))
+        n = part.shape[0]
+        rows = torch.cat([part[..., x:y] for x, y in data], -1).reshape(n, -1)
+        meta = torch.stack([part[..., x:y] for x, y in fields], 1)  # n F bs Hk 2
+        meta = meta.permute(0, 3, 1, 2, 4).reshape(n, -1)  # (n, Hk, F, bs, 2)
+        out[a : a + n] = torch.cat([rows, meta], -1)
+    return out
+
+
+def _part(norms: torch.Tensor | None, a: int, step: int) -> torch.Tensor | None:
+    return None if norms is None else norms[a : a + step]
 
 
 @triton.jit
@@ -129,14 +186,24 @@ def _plane_stage1(
     LOW_TABLE: tl.constexpr,
     PTX: tl.constexpr,
     NUM_STAGES: tl.constexpr,
+    SOA: tl.constexpr,  # 0: the plane layout, 1: turboquant_soa's
+    NUM_KV_HEADS: tl.constexpr,
 ):
     """0010's ``_tq_grouped_decode_regs_stage1``, the same arithmetic, its
-    cache reads from the plane layout: codes as [BLOCK_KV, KB] tiles of
-    16-byte-aligned rows, fp16 fields as fp16 loads; the token loop
-    pipelined over NUM_STAGES stages."""
+    cache reads from the plane or the SoA layout: codes as [BLOCK_KV, KB]
+    tiles of 16-byte-aligned rows, fp16 fields as fp16 loads; the token
+    loop pipelined over NUM_STAGES stages."""
     HALF: tl.constexpr = HEAD_DIM // 2
-    V_OFF: tl.constexpr = BLOCK_SIZE * KB
-    N_OFF: tl.constexpr = BLOCK_SIZE * (KB + VB) // 2  # in fp16 units
+    ROW: tl.constexpr = KB + VB  # SoA: a token's code bytes a head
+    # plane: a (page, head) record's value codes and fields after its key
+    # codes; SoA: a token's value codes after its key codes, the fields
+    # [Hk, field, block] after the page's data region
+    V_OFF: tl.constexpr = KB if SOA else BLOCK_SIZE * KB
+    K_STEP: tl.constexpr = NUM_KV_HEADS * ROW if SOA else KB
+    V_STEP: tl.constexpr = NUM_KV_HEADS * ROW if SOA else VB
+    FIELDS: tl.constexpr = 2 if KEY_FP8 else 3
+    META: tl.constexpr = BLOCK_SIZE * NUM_KV_HEADS * ROW // 2  # SoA, fp16 units
+    N_OFF: tl.constexpr = 0 if SOA else BLOCK_SIZE * ROW // 2  # fp16 units
     S_OFF: tl.constexpr = N_OFF + (0 if KEY_FP8 else BLOCK_SIZE)
     Z_OFF: tl.constexpr = S_OFF + BLOCK_SIZE
     bid = tl.program_id(0)
@@ -179,12 +246,16 @@ def _plane_stage1(
         tok = start + offs_n
         tok_mask = tok < split_end
         pages = tl.load(bt_row + tok // BLOCK_SIZE, mask=tok_mask, other=0)
-        rec = pages.to(tl.int64) * stride_page + head_off
-        rec = tl.multiple_of(rec, 16)
         pos = tok % BLOCK_SIZE
-        k_rows = tl.multiple_of(rec + pos * KB, 16)
-        v_rows = tl.multiple_of(rec + V_OFF + pos * VB, 16)
-        fields = rec // 2 + pos
+        if SOA:
+            page = pages.to(tl.int64) * stride_page
+            rec = page + kv_head * ROW
+            fields = page // 2 + META + kv_head * (FIELDS * BLOCK_SIZE) + pos
+        else:
+            rec = pages.to(tl.int64) * stride_page + head_off
+            fields = rec // 2 + pos
+        k_rows = tl.multiple_of(rec + pos * K_STEP, 16)
+        v_rows = tl.multiple_of(rec + V_OFF + pos * V_STEP, 16)
 
         if KEY_FP8:
             k = tl.load(
@@ -259,7 +330,7 @@ def _plane_stage1(
 
 def plane_decode_attention(
     query: torch.Tensor,  # [B, Hq, D]
-    kv_cache: torch.Tensor,  # [num_blocks, Hk, block x slot] uint8 (planes)
+    kv_cache: torch.Tensor,  # to_plane_layout's or to_soa_layout's bytes
     block_table: torch.Tensor,
     seq_lens: torch.Tensor,
     centroids: torch.Tensor,
@@ -269,6 +340,8 @@ def plane_decode_attention(
     value_quant_bits: int,
     num_kv_splits: int,
     block_size: int,
+    num_kv_heads: int,
+    layout: str = "plane",
     key_fp8: bool = False,
     norm_correction: bool = False,
     PiT: torch.Tensor | None = None,
@@ -276,17 +349,18 @@ def plane_decode_attention(
     output_buf: torch.Tensor | None = None,
     lse_buf: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The grouped decode on the plane layout; [B, Hq, D] in the query
-    dtype. bf16 queries (fp16 ones with 4-bit keys: the centroids' low
-    parts, as 0010 takes for small batches)."""
+    """The grouped decode on the plane or SoA layout; [B, Hq, D] in the
+    query dtype. bf16 queries (fp16 ones with 4-bit keys: the centroids'
+    low parts, as 0010 takes for small batches)."""
     B, Hq, D = query.shape
-    Hk = kv_cache.shape[1]
-    group = Hq // Hk
+    Hk, group = num_kv_heads, Hq // num_kv_heads
     device, S = query.device, num_kv_splits
+    kb = D if key_fp8 else D // 2
     if value_quant_bits != 4 or not (key_fp8 or mse_bits == 4):
         raise ValueError("the plane prototype serves 4-bit values, 4-bit or FP8 keys")
-    if any(x % 16 for x in (*kv_cache.stride()[:2], kv_cache.data_ptr(), block_size)):
-        raise ValueError("the plane layout needs 16-byte-aligned pages and records")
+    strides = kv_cache.stride()[: 1 if layout == "soa" else 2]
+    if any(x % 16 for x in (*strides, kv_cache.data_ptr(), kb, D // 2)):
+        raise ValueError("the plane layouts need 16-byte-aligned pages and rows")
     q = query if key_fp8 else query.float() @ PiT
     mid_o, mid_lse = gd._split_mid_buffer(mid_o_buf, B, Hq, S, D, device)
     output = (
@@ -301,23 +375,27 @@ def plane_decode_attention(
     )
     many = gd._many_programs(B, Hk, device)
     ptx = gd._use_ptx(device)
-    low = not key_fp8 and query.dtype != torch.bfloat16
+    # The centroids' fp16 low parts: with fp16 queries (0010's), and with
+    # folded norms, which no longer divide the fp16 centroids' rounding out
+    # of the score's magnitude (bf16 without them: 1.28x v0.33.0's largest
+    # error at D 128, results/soa-2026-12-03/call2)
+    low = not key_fp8 and (query.dtype != torch.bfloat16 or not norm_correction)
     tables = ("", "") if key_fp8 or not ptx else gd._centroid_tables_ptx(D, mse_bits)
     cap = {"maxnreg": gd._REGS_MAX_REGISTERS} if many and ptx else {}
-    kb = D if key_fp8 else D // 2
     block_kv, warps, stages = CONFIG
     _plane_stage1[(B, Hk, S)](
         q, kv_cache, kv_cache.view(torch.float16), block_table, seq_lens,
         centroids, mid_o, mid_lse, q.stride(0), q.stride(1),
-        kv_cache.stride(0), kv_cache.stride(1), block_table.stride(0), S,
+        kv_cache.stride(0), kv_cache.stride(-1 if layout == "soa" else 1),
+        block_table.stride(0), S,
         HEAD_DIM=D, KV_GROUP_SIZE=group, BLOCK_H=gd._regs_query_rows(group),
         BLOCK_SIZE=block_size, BLOCK_KV=block_kv, KEY_FP8=1 if key_fp8 else 0,
         KB=kb, VB=D // 2, QK_SCALE=scale * gd._LOG2E,
         NORM_CORRECTION=1 if norm_correction else 0,
         FP8_E4B15=gd._use_fp8_e4b15(device.index or 0),
         CENTROID_LOW=1 if low else 0, HIGH_TABLE=tables[0], LOW_TABLE=tables[1],
-        PTX=1 if ptx else 0, NUM_STAGES=stages, num_warps=warps,
-        num_stages=stages, **cap,
+        PTX=1 if ptx else 0, NUM_STAGES=stages, SOA=1 if layout == "soa" else 0,
+        NUM_KV_HEADS=Hk, num_warps=warps, num_stages=stages, **cap,
     )  # fmt: skip
     gd._tq_grouped_decode_stage2[(B, Hq)](
         mid_o, mid_lse, seq_lens, output, lse, output.stride(0),
@@ -326,6 +404,95 @@ def plane_decode_attention(
         BLOCK_S=gd._BLOCK_SPLITS, LN2=gd._LN2, num_warps=4,
     )  # fmt: skip
     return output
+
+
+class Variant:
+    """One layout and configuration: NAME plane|soa, K w W s S, ``c`` for
+    folded norms (soa16w1s1c). ``convert`` makes its cache of a v0.33.0
+    cache; ``norms`` the folded norms its float64 reference takes (or
+    None)."""
+
+    def __init__(self, name: str) -> None:
+        m = re.fullmatch(r"(plane|soa)(\d+)w(\d+)s(\d+)(c?)", name)
+        if m is None:
+            raise ValueError(f"{name!r}: plane|soa K w W s S [c], e.g. soa16w1s1c")
+        self.name, self.layout = name, m[1]
+        self.config = (int(m[2]), int(m[3]), int(m[4]))
+        self.folded = bool(m[5])
+
+    def convert(self, slots: torch.Tensor, cfg, centroids: torch.Tensor):
+        """(cache, folded norms or None) of ``slots`` (blocks, block, Hk, slot)."""
+        norms = None
+        if self.folded and not cfg.key_fp8:
+            norms = folded_norms(slots, cfg, centroids)
+        to = to_soa_layout if self.layout == "soa" else to_plane_layout
+        return to(slots, cfg, norms), norms
+
+    def decode(self, cache: torch.Tensor, num_kv_heads: int, **args) -> torch.Tensor:
+        global CONFIG
+        CONFIG = self.config
+        if self.folded:
+            args["norm_correction"] = False
+        return plane_decode_attention(
+            kv_cache=cache, num_kv_heads=num_kv_heads, layout=self.layout, **args
+        )
+
+
+# The decode accuracy suite's --variant NAME=THIS_FILE: the tree's grouped
+# decode's interface over a v0.33.0 cache, converted once a cache version.
+_VARIANT: Variant | None = None
+_CONVERTED: dict = {}
+
+
+def configure(name: str) -> None:
+    """The suite names the variant: ``Variant(name)``."""
+    global _VARIANT
+    _VARIANT = Variant(name)
+
+
+def _converted(kv_cache: torch.Tensor, key_fp8: bool, kps: int, centroids):
+    key = (kv_cache.data_ptr(), kv_cache._version, kv_cache.shape)
+    if key not in _CONVERTED:
+        _CONVERTED.clear()  # one cache at a time: the suite's memory
+        cfg = SimpleNamespace(
+            head_dim=plane_bytes_dim(kv_cache, key_fp8, kps),
+            key_fp8=key_fp8, key_packed_size=kps,
+        )  # fmt: skip
+        _CONVERTED[key] = _VARIANT.convert(kv_cache, cfg, centroids)
+    return _CONVERTED[key]
+
+
+def plane_bytes_dim(kv_cache: torch.Tensor, key_fp8: bool, kps: int) -> int:
+    """The head size of a 4-bit-value slot: kps + D / 2 + 4 bytes."""
+    return (kv_cache.shape[-1] - kps - 4) * 2
+
+
+def triton_turboquant_grouped_decode_attention(
+    kv_cache: torch.Tensor, key_fp8: bool = False, **args
+) -> torch.Tensor:
+    kps, cen = args["key_packed_size"], args["centroids"]
+    cache, _ = _converted(kv_cache, key_fp8, kps, cen)
+    return _VARIANT.decode(
+        cache, kv_cache.shape[2], block_size=kv_cache.shape[1], key_fp8=key_fp8,
+        **args,
+    )  # fmt: skip
+
+
+def reference_norms(kv_cache: torch.Tensor) -> torch.Tensor | None:
+    """The folded norms (blocks, block, Hk) the variant's cache holds for
+    ``kv_cache`` in place of its norms (None: its own)."""
+    for (ptr, version, _), (_, norms) in _CONVERTED.items():
+        if (ptr, version) == (kv_cache.data_ptr(), kv_cache._version):
+            return norms
+    return None
+
+
+def _config(key_fp8: bool, mse_bits: int, value_bits: int) -> tuple[int, int, int]:
+    return _VARIANT.config
+
+
+def grouped_decode_num_splits(batch, hk, budget, device, *_) -> int:
+    return gd.grouped_decode_num_splits(batch, hk, budget, device, True)
 
 
 def splits(batch: int, hk: int, budget: int, device) -> int:
