@@ -56,7 +56,7 @@ from .upstreamsuite import (
     upstream_test_dir,
     upstream_tests,
 )
-from .upstreamtest import before_and_with, fail_without_fix
+from .upstreamtest import Proof, before_and_with, fail_without_fix
 from .wheelbuild import add_wheel_options, cmd_wheel
 
 # Subject component -> vLLM's test directory for it.
@@ -199,26 +199,25 @@ def tests_before_and_with(
 ) -> str:
     """What --run-tests found (run again on --onto's commit when given), and
     what is wrong when a test did not fail before and pass with the change."""
-    where, text = f"on {base.rev}", pr.result
+    where = f"on {base.rev}"
     if args.onto:
         ids = pr.tests.node_ids(job.patch)
         key, where = f"{job.stack.name}-onto", f"on {args.onto}"
         if fix_elsewhere(job.patch):  # the tests alone: they must fail there
-            text, pr.tests_ok = fail_without_fix(pr.wt, ids, python)
+            pr.proof = fail_without_fix(pr.wt, ids, python)
         else:
-            text, pr.tests_ok = before_and_with(
-                base.repo, key, pr.parent, pr.wt, ids, python
-            )
-    if pr.tests_ok:
-        return f"{where}: {text}"
-    if "| skipped (" in text:
+            pr.proof = before_and_with(base.repo, key, pr.parent, pr.wt, ids, python)
+    text = f"{where}: {pr.proof.table}"
+    if pr.proof.ok:
+        return text
+    if pr.proof.skipped:
         return (
-            f"{where}: {text}\nnot proven here: a regression test skips on this "
-            "host (the table says why); run export --run-tests where it runs"
+            f"{text}\nnot proven here: a regression test skips on this host "
+            "(the table says why); run export --run-tests where it runs"
         )
     return (
-        f"{where}: {text}\nnot ready: a regression test did not fail before "
-        "and pass with the change under plain pytest"
+        f"{text}\nnot ready: a regression test did not fail before and pass "
+        "with the change under plain pytest"
     )
 
 
@@ -245,8 +244,19 @@ class PrCommit:
     dropped: list[str]
     tests: PlacedTests
     needs: list[Patch]
-    result: str | None = None  # --run-tests: the table of outcomes
-    tests_ok: bool = True  # --run-tests: failed before, passed with it
+    proof: Proof | None = None  # --run-tests: what plain pytest found
+
+    @property
+    def tests_ok(self) -> bool:
+        """Not run, or failed before and passed with the change."""
+        return self.proof is None or self.proof.ok
+
+    @property
+    def result(self) -> str | None:
+        """The outcomes' table for the PR text, where they prove something
+        (a test skipped on this host proves nothing: left out)."""
+        proven = self.proof is not None and not self.proof.skipped
+        return self.proof.table if proven else None
 
 
 def make_pr_commit(
@@ -279,9 +289,7 @@ def make_pr_commit(
     if args.run_tests:
         key = f"{job.stack.name}-export"
         change = "with the fix" if fix_elsewhere(job.patch) else "with this change"
-        pr.result, pr.tests_ok = before_and_with(
-            base.repo, key, parent, wt, ids, python, change
-        )
+        pr.proof = before_and_with(base.repo, key, parent, wt, ids, python, change)
         if not pr.tests_ok and not needs and len(job.upto) > 1:
             print(
                 f"{job.entry}: its regression tests do not fail before and pass "

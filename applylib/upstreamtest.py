@@ -5,6 +5,7 @@ files copied in, and on the PR's tree."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 import shutil
@@ -99,6 +100,18 @@ def outcome(test: str, seen: dict[str, str]) -> str:
     return got[0] if got and len(set(got)) == 1 else "not run"
 
 
+@dataclasses.dataclass(frozen=True)
+class Proof:
+    """Regression tests under plain pytest in vLLM's tree: the Markdown
+    table of their outcomes, whether they prove the change (failed before
+    and passed with it, or failed without the fix), and whether one was
+    skipped on this host (nothing proven either way)."""
+
+    table: str
+    ok: bool
+    skipped: bool
+
+
 def before_and_with(
     repo: Path,
     key: str,
@@ -107,11 +120,10 @@ def before_and_with(
     ids: list[str],
     python: str,
     change: str = "with this change",
-) -> tuple[str, bool]:
+) -> Proof:
     """The tests `ids` under plain pytest on commit `before` (with the test
     files `after`'s index adds under tests/ copied in) and in the worktree
-    `after`: a Markdown table, and whether each failed before and passed
-    with the change."""
+    `after`."""
     added = gout(
         "diff",
         "--cached",
@@ -128,7 +140,6 @@ def before_and_with(
         shutil.copyfile(after / f, wt / f)
     was, now = plain_pytest(wt, ids, python), plain_pytest(after, ids, python)
     rows = [f"| `{t}` | {was[t]} | {now[t]} |" for t in ids]
-    ok = all(was[t] == "failed" and now[t] == "passed" for t in ids)
     table = [
         (
             "The regression tests under plain pytest in vLLM's tree, before "
@@ -139,13 +150,17 @@ def before_and_with(
         "|---|---|---|",
         *rows,
     ]
-    return "\n".join(table), ok
+    return Proof(
+        "\n".join(table),
+        all(was[t] == "failed" and now[t] == "passed" for t in ids),
+        _skipped(was, now),
+    )
 
 
-def fail_without_fix(tree: Path, ids: list[str], python: str) -> tuple[str, bool]:
+def fail_without_fix(tree: Path, ids: list[str], python: str) -> Proof:
     """The tests `ids` under plain pytest in `tree`, which holds them but
-    not the fix they were written for: a table, and whether each failed
-    (the bug is there)."""
+    not the fix they were written for: proven when each failed (the bug is
+    there)."""
     was = plain_pytest(tree, ids, python)
     rows = [f"| `{t}` | {was[t]} |" for t in ids]
     table = [
@@ -155,4 +170,8 @@ def fail_without_fix(tree: Path, ids: list[str], python: str) -> tuple[str, bool
         "|---|---|",
         *rows,
     ]
-    return "\n".join(table), all(was[t] == "failed" for t in ids)
+    return Proof("\n".join(table), all(was[t] == "failed" for t in ids), _skipped(was))
+
+
+def _skipped(*runs: dict[str, str]) -> bool:
+    return any(o.startswith("skipped") for run in runs for o in run.values())

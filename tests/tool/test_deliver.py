@@ -914,6 +914,9 @@ def test_export_ships_the_test_kept_for_vllm(dx: Fixture) -> None:
     assert "| `tests/test_mod_add.py` | skipped (needs a GPU) | skipped (needs " \
         "a GPU) |\nnot proven here: a regression test skips on this host (the " \
         "table says why); run export --run-tests where it runs\n" in p.stdout
+    msg = git("log", "-1", "--format=%B", ref, cwd=dx.upstream)
+    assert "pytest -v tests/test_mod_add.py\n" in msg  # the plan, no result
+    assert "skipped (needs a GPU)" not in msg and "| before |" not in msg, msg
 
 
 # --------------------------------------------------------------------------
