@@ -16,6 +16,7 @@ import re
 import shutil
 import subprocess
 from collections import Counter
+from collections.abc import Iterable
 from pathlib import Path
 
 from .bases import BaseUnavailable, find_user_repo, resolve_base, worktree
@@ -25,7 +26,7 @@ from .runner import PatchResult, apply_stack
 from .sdist import release_tests
 from .series import Patch, Series, Stack, load_patch, parse_series
 from .testrun import test_python
-from .upstreamtest import HOST_PLUGIN, OUTCOME, outcome, run_plain
+from .upstreamtest import HOST_PLUGIN, OUTCOME, SKIPPED, outcome, run_plain
 from .wheelbuild import stack_release
 
 # A module more of vLLM's test files import than this (arg_utils,
@@ -106,9 +107,12 @@ def suite_files(tests: Path, modules: list[str]) -> tuple[list[str], list[str]]:
     return sorted(files), notes
 
 
-def outcomes(tree: Path, files: list[str], python: str) -> dict[str, str]:
+def outcomes(
+    tree: Path, files: list[str], python: str, skips_of: Iterable[str] = ()
+) -> dict[str, str]:
     """Each test's outcome under plain pytest in `tree` (the worst reported:
-    a pass with an error at teardown is an error)."""
+    a pass with an error at teardown is an error); each file of `skips_of`
+    that pytest skipped whole, as "skipped (REASON)"."""
     if not files:
         return {}
     p = run_plain(
@@ -116,12 +120,18 @@ def outcomes(tree: Path, files: list[str], python: str) -> dict[str, str]:
     )
     rank = {"passed": 0, "xfail": 0, "xpass": 1, "failed": 2, "error": 3}
     seen: dict[str, str] = {}
+    skips: dict[str, str] = {}
     for line in p.stdout.splitlines():
         m = OUTCOME.match(line)
         if m:
             got, old = m.group(1).lower(), seen.get(m.group(2))
             if old is None or rank.get(got, 0) > rank.get(old, 0):
                 seen[m.group(2)] = got
+        elif (m := SKIPPED.match(line)) and m.group(1) in skips_of:
+            skips.setdefault(m.group(1), m.group(2))
+    for f, why in skips.items():  # skipped whole: none of its tests reported
+        if not any(t == f or t.startswith(f + "::") for t in seen):
+            seen[f] = f"skipped ({why})"
     if not seen and p.returncode not in (0, 5):
         tail = (p.stdout + p.stderr).strip().splitlines()[-3:]
         raise UserError(f"vLLM's tests did not run in {tree}: {' / '.join(tail)}")
@@ -231,7 +241,8 @@ def compare_trees(
     for d in diffs:
         print(f"  with the update {d.relative_to(root)}")
     run = files + [f for f in kept if f not in files]
-    was, now = outcomes(trees[0], run, python), outcomes(trees[1], run, python)
+    was = outcomes(trees[0], run, python, kept)
+    now = outcomes(trees[1], run, python, kept)
     own = {t for t in was.keys() | now.keys() if t.split("::", 1)[0] in kept}
     rc = report(
         {t: o for t, o in was.items() if t not in own},
@@ -257,12 +268,14 @@ def kept_tests(root: Path, stack: Stack, trees: tuple[Path, Path]) -> dict[str, 
 
 def report_kept(kept: dict[str, str], was: dict[str, str], now: dict[str, str]) -> int:
     """Each kept test file: proven when it fails on the base and all of it
-    passes patched; 1 when one is not (skipped on both: not run here)."""
+    passes patched; 1 when one is not (skipped on both: not run here, and
+    why where pytest said)."""
     bad = 0
     for path, entry in kept.items():
         before, after = outcome(path, was), outcome(path, now)
-        if before == after == "not run":
-            print(f"  kept {path} ({entry}): not run here (skipped on this host)")
+        if not_run(before) and not_run(after):
+            why = after if after != "not run" else "skipped on this host"
+            print(f"  kept {path} ({entry}): not run here, {why}")
             continue
         ok = before == "failed" and after == "passed"
         bad |= not ok
@@ -271,6 +284,10 @@ def report_kept(kept: dict[str, str], was: dict[str, str], now: dict[str, str]) 
             f"base, {after} patched"
         )
     return int(bad)
+
+
+def not_run(outcome_: str) -> bool:
+    return outcome_ == "not run" or outcome_.startswith("skipped")
 
 
 def report(was: dict[str, str], now: dict[str, str], updated: set[str]) -> int:

@@ -117,6 +117,14 @@ def test_kept_test_fails_on_the_base_and_passes_patched(ux: Fixture) -> None:
     assert p.returncode == 1, p.stdout + p.stderr
     assert "  NOT PROVEN tests/test_scale_kept.py (fx/0002-fix-scale.patch): " \
         "passed on the base, passed patched\n" in p.stdout
+    # skipped whole on this host: not run, and pytest's reason said
+    kept.write_text("import pytest\n\npytestmark = pytest.mark.skip("
+                    "reason=\"needs a GPU\")\n\n" + KEPT)
+    p = ux.run("upstream", "fx", "--repo", str(ux.upstream))
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert "  kept tests/test_scale_kept.py (fx/0002-fix-scale.patch): not run " \
+        "here, skipped (needs a GPU)\n" in p.stdout
+    assert "  base: 2 passed\n  patched: 2 passed\n" in p.stdout
 
 
 def sdist(folder: Path, version: str, files: dict[str, str]) -> Path:
