@@ -16,6 +16,8 @@
 #              DECODE_CELLS, DECODE_SWEEP=0 (no sweep), DECODE_PEER=.peer
 #              (vllm#53060's decode too, ci/gpu/peer_stage.sh; carry .peer),
 #              DECODE_ARGS (more of the bench's flags, e.g. --prev FILE)
+#   store      tq_store_bench.py: v0.33.0's slot store and its SoA store
+#              (raw and folded norms) on tq33-patched (STORE_CAP s)
 #   accuracy   tq_decode_accuracy.py (ACC_ARGS), then the decode bench on
 #              ACC_BENCH_TREES at ACC_BENCH_CELLS
 #   sinks      tq_decode_accuracy.py on trained-model data (--data: sinks,
@@ -115,6 +117,11 @@ part_bench() {
       --samples "$W/${pre}_samples_$x.pt" $SMALL_ARG
   done
 }
+part_store() {  # v0.33.0's slot store beside its SoA store (issue 54's layout)
+  run store_bench "${STORE_CAP:-120}" $PY ci/gpu/tq_store_bench.py \
+    --tree "$T/tq33-patched" --out "$OUT/store" $SMALL_ARG
+  cat "$OUT/store/tq_store_bench.md" 2>/dev/null
+}
 part_decode() {
   local cap=${DECODE_CAP:-330} sweep=--sweep
   [ "${DECODE_SWEEP:-1}" = 1 ] || sweep=
@@ -212,7 +219,7 @@ cp .gpu/MANIFEST "$W/" 2>/dev/null
 ls "$T"
 for part in ${parts//,/ }; do
   case $part in
-    tests|batches|cudagraph|bench|decode|accuracy|sinks|profile|upstream) part_$part ;;
+    tests|batches|cudagraph|bench|decode|store|accuracy|sinks|profile|upstream) part_$part ;;
     none) ;;
     *) echo "run.sh: no part $part" ;;
   esac
