@@ -299,21 +299,22 @@ class Cell:
             "lse_buf": torch.empty(b, hq, device=dev),
         }
 
-    def measure(self, fn, flush, ref=None, timed: bool = True) -> dict:
-        """Run ``fn`` (returns the output), its errors on the sampled rows
-        (against ``ref``, else the cell's), then its time."""
+    def errors(self, out: torch.Tensor, ref: torch.Tensor | None = None) -> dict:
+        """The output's errors on the sampled rows against ``ref`` (else the
+        cell's reference)."""
         ref = self.ref if ref is None else ref
-        out = fn().clone()
         got = out[self.rows].double()
         diff = got - ref
-        res = {
+        return {
             "err": float(diff.norm() / ref.norm()),
             "max_abs": float(diff.abs().max()),
             "bias": float(diff.mean() / diff.pow(2).mean().sqrt().clamp_min(1e-300)),
             "finite": bool(torch.isfinite(got).all()),
         }
-        if not timed:
-            return res
+
+    def measure(self, fn, flush, ref: torch.Tensor | None = None) -> dict:
+        """Run ``fn`` (returns the output), its errors, then its time."""
+        res = self.errors(fn().clone(), ref)
         try:
             res["ms"] = bench.graph_time(fn, flush, REPS)["median_ms"]
         except Exception as e:  # the error is what counts: record, go on
@@ -341,14 +342,16 @@ class Cell:
                 num_kv_splits=splits, **bufs, **self.args
             )
 
-        ref, norms_of = None, getattr(module, "reference_norms", None)
+        ref, vs_cache = None, None
+        norms_of = getattr(module, "reference_norms", None)
         if norms_of is not None:  # a cache of its own: its norms may differ
-            fn()
+            out = fn().clone()
             norms = norms_of(self.shape.cache.slots)
-            ref = None if norms is None else self.reference(norms)
+            if norms is not None:  # its error against the cell's reference too
+                ref, vs_cache = self.reference(norms), self.errors(out)["err"]
         res = self.measure(fn, flush, ref)
-        if ref is not None:  # its error against the cell's reference too
-            res["err_vs_cache"] = self.measure(fn, None, None, timed=False)["err"]
+        if vs_cache is not None:
+            res["err_vs_cache"] = vs_cache
         cfg = self.shape.cfg
         bkv = module._config(
             cfg.key_fp8, cfg.key_mse_bits, cfg.effective_value_quant_bits

@@ -21,8 +21,8 @@ layout of vllm#53060 (tqpeer.to_peer_layout), no value changed.
 ``plane_decode_attention`` takes the arguments of the tree's
 ``triton_turboquant_grouped_decode_attention`` (the tree's stage 2 and
 helpers, unchanged) with the cache in this layout and ``block_size``;
-``CONFIG`` (tokens a step, warps, pipeline stages) is a module setting
-the bench changes.
+``config`` (tokens a step, warps, pipeline stages; 0010's by default)
+is the caller's.
 
 The second layout (``to_soa_layout``, ``layout="soa"``) is v0.33.0's own
 turboquant_soa (its store, dequantization and decode exist, used on ROCm):
@@ -59,7 +59,7 @@ from vllm.v1.attention.ops.triton_turboquant_grouped_decode import (
     _tile_weights,
 )
 
-CONFIG = (16, 1, 1)  # BLOCK_KV, num_warps, num_stages: 0010's
+CONFIG = (16, 1, 1)  # BLOCK_KV, num_warps, num_stages: 0010's (the default)
 PRESETS = ("turboquant_4bit_nc", "turboquant_k8v4")  # 4-bit values, 4-bit or FP8 keys
 
 
@@ -89,13 +89,14 @@ def folded_norms(slots: torch.Tensor, cfg, centroids: torch.Tensor) -> torch.Ten
     kb = plane_bytes(cfg)[0]
     c = centroids.float()
     out = torch.empty(slots.shape[:3], dtype=torch.float16, device=slots.device)
-    for a in range(0, slots.shape[0], 1 << 12):
-        codes = slots[a : a + (1 << 12), ..., :kb]
+    for a in range(0, slots.shape[0], step := 1 << 12):
+        part = slots[a : a + step]
+        codes = part[..., :kb]
         sq = (c[(codes & 0xF).long()] ** 2).sum(-1)
         sq += (c[(codes >> 4).long()] ** 2).sum(-1)
-        norm = slots[a : a + (1 << 12), ..., kb : kb + 2].contiguous()
+        norm = part[..., kb : kb + 2].contiguous()
         norm = norm.view(torch.float16).squeeze(-1).float()
-        out[a : a + (1 << 12)] = (norm / torch.sqrt(sq + 1e-16)).half()
+        out[a : a + step] = (norm / torch.sqrt(sq + 1e-16)).half()
     return out
 
 
@@ -348,6 +349,7 @@ def plane_decode_attention(
     mid_o_buf: torch.Tensor | None = None,
     output_buf: torch.Tensor | None = None,
     lse_buf: torch.Tensor | None = None,
+    config: tuple[int, int, int] = CONFIG,
 ) -> torch.Tensor:
     """The grouped decode on the plane or SoA layout; [B, Hq, D] in the
     query dtype. bf16 queries (fp16 ones with 4-bit keys: the centroids'
@@ -382,7 +384,7 @@ def plane_decode_attention(
     low = not key_fp8 and (query.dtype != torch.bfloat16 or not norm_correction)
     tables = ("", "") if key_fp8 or not ptx else gd._centroid_tables_ptx(D, mse_bits)
     cap = {"maxnreg": gd._REGS_MAX_REGISTERS} if many and ptx else {}
-    block_kv, warps, stages = CONFIG
+    block_kv, warps, stages = config
     _plane_stage1[(B, Hk, S)](
         q, kv_cache, kv_cache.view(torch.float16), block_table, seq_lens,
         centroids, mid_o, mid_lse, q.stride(0), q.stride(1),
@@ -429,13 +431,12 @@ class Variant:
         return to(slots, cfg, norms), norms
 
     def decode(self, cache: torch.Tensor, num_kv_heads: int, **args) -> torch.Tensor:
-        global CONFIG
-        CONFIG = self.config
         if self.folded:
             args["norm_correction"] = False
         return plane_decode_attention(
-            kv_cache=cache, num_kv_heads=num_kv_heads, layout=self.layout, **args
-        )
+            kv_cache=cache, num_kv_heads=num_kv_heads, layout=self.layout,
+            config=self.config, **args,
+        )  # fmt: skip
 
 
 # The decode accuracy suite's --variant NAME=THIS_FILE: the tree's grouped
