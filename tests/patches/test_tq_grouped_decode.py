@@ -123,22 +123,17 @@ def launch_grids() -> Iterator[list]:
         yield grids
 
 
-def attended_bytes(batch: tb.Batch, slot_size: int) -> np.ndarray:
-    """Addresses of the slot bytes of every token the batch attends to."""
+def attended_bytes(batch: tb.Batch, cfg: Any) -> np.ndarray:
+    """Addresses of the slot record bytes of every token the batch attends
+    to (in the pages of either layout, ``h.record_offsets``)."""
     slots = batch.kv_slots
-    s_block, s_pos, s_head, _ = slots.stride()
     base = slots.untyped_storage().data_ptr() + slots.storage_offset()
     block = slots.shape[1]
+    offs = h.record_offsets(slots, cfg, batch.soa)[..., : cfg.slot_size]
     out = []
     for req_slots in batch.slots:
-        for head in range(slots.shape[2]):
-            starts = (
-                base
-                + (req_slots // block) * s_block
-                + (req_slots % block) * s_pos
-                + head * s_head
-            )
-            out.append((starts[:, None] + torch.arange(slot_size)[None, :]).ravel())
+        pages = base + (req_slots // block) * slots.stride(0)
+        out.append((pages[:, None, None] + offs[req_slots % block]).ravel())
     return torch.cat(out).numpy()
 
 
@@ -162,7 +157,7 @@ def test_kv_bytes_read_once_per_query_group(env: tb.Backend) -> None:
         )
     _, loads = np.unique(addr, return_counts=True)
     assert loads.max() == 1, f"a cache byte is loaded {loads.max()} times"
-    want = attended_bytes(batch, h.tq_config(env.shape.preset, 64).slot_size)
+    want = attended_bytes(batch, h.tq_config(env.shape.preset, 64))
     assert np.array_equal(np.unique(addr), np.unique(want)), (
         "the step reads other bytes than the attended tokens' slots"
     )
@@ -341,12 +336,11 @@ def scale_values(batch: tb.Batch, cfg: Any, row: int, factor: float) -> None:
     and zero points (the two fields after the value codes) in the cache."""
     codes = math.ceil(cfg.head_dim * cfg.effective_value_quant_bits / 8)
     at = cfg.key_packed_size + codes
-    slots, block = batch.slots[row].to(batch.kv_slots.device), batch.kv_slots.shape[1]
-    fields = batch.kv_slots[slots // block, slots % block, :, at : at + 4]
-    scaled = fields.contiguous().view(torch.float16) * factor
-    batch.kv_slots[slots // block, slots % block, :, at : at + 4] = scaled.view(
-        torch.uint8
-    )
+    slots = batch.slots[row]
+    records = h.read_records(batch.kv_slots, slots, cfg, batch.soa)
+    fields = records[..., at : at + 4].contiguous().view(torch.float16) * factor
+    records[..., at : at + 4] = fields.view(torch.uint8)
+    h.write_records(batch.kv_slots, slots, records, cfg, batch.soa)
 
 
 def sink_query(batch: tb.Batch, impl: Any, layer: Any, nats: float) -> None:
@@ -354,7 +348,8 @@ def sink_query(batch: tb.Batch, impl: Any, layer: Any, nats: float) -> None:
     token scores ``nats`` above the mean of the others (spread by the keys'
     angles to it, about nats / sqrt(D) nats)."""
     centroids = tb.plain(layer._tq_centroids)
-    k, _ = tb.dequant(batch.kv_slots, batch.slots[0], impl.tq_config, centroids)
+    cfg = impl.tq_config
+    k, _ = tb.dequant(batch.kv_slots, batch.slots[0], cfg, centroids, batch.soa)
     sink = k[0, 0]
     q = (nats / impl.scale) * sink / sink.dot(sink)
     q = q.repeat(impl.num_heads).reshape(batch.query.shape)

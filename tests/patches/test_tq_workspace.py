@@ -155,7 +155,10 @@ def build_tq(
     layers = build_layers(vllm_config, shape, num_layers, device)
     builder = build_builder(vllm_config, shape, layers, device)
     generator = torch.Generator().manual_seed(seed)
-    kv_caches = [random_tq_cache(shape, num_blocks, device, generator) for _ in layers]
+    kv_caches = [
+        random_tq_cache(shape, num_blocks, device, generator, h.soa_pages(x.impl))
+        for x in layers
+    ]
     return TQ(shape, vllm_config, layers, builder, kv_caches, device, tqa, generator)
 
 
@@ -265,11 +268,23 @@ def physical(cache: torch.Tensor) -> torch.Tensor:
     return cache.transpose(1, 2) if heads_before_positions() else cache
 
 
+def slot_layout(tq: TQ, cache: torch.Tensor) -> torch.Tensor:
+    """``physical(cache)``, as slots (a copy where the impl stores
+    turboquant_soa's pages)."""
+    cfg = tq_config(tq.shape)
+    soa = h.soa_pages(tq.layers[0].impl)
+    return h.as_slots(physical(cache), cfg) if soa else physical(cache)
+
+
 def random_tq_cache(
-    shape: Shape, num_blocks: int, device: torch.device, gen: torch.Generator
+    shape: Shape,
+    num_blocks: int,
+    device: torch.device,
+    gen: torch.Generator,
+    soa: bool = False,
 ) -> torch.Tensor:
     """A cache of random, valid TurboQuant slots (fresh for every test), as
-    forward() takes it."""
+    forward() takes it (``soa``: in turboquant_soa's pages)."""
     cfg = tq_config(shape)
     D = shape.head_size
     cache_shape = (
@@ -295,7 +310,7 @@ def random_tq_cache(
     zeros = -1.0 + 0.5 * torch.randn(*lead, generator=gen)
     _put_fp16(cache, val_base + val_bytes, scales)
     _put_fp16(cache, val_base + val_bytes + 2, zeros)
-    cache = cache.to(device)
+    cache = (h.as_soa(cache, cfg) if soa else cache).to(device)
     return cache.transpose(1, 2) if heads_before_positions() else cache
 
 
@@ -323,7 +338,7 @@ def ref_dequant(
     D = shape.head_size
     bs = shape.block_size
     pos = torch.arange(length, device=cache.device)
-    slots = physical(cache)[blocks[pos // bs].long(), pos % bs].long()  # (L,Hk,slot)
+    slots = slot_layout(tq, cache)[blocks[pos // bs].long(), pos % bs].long()
     if cfg.key_fp8:
         raw = slots[..., :D].to(torch.uint8).contiguous()
         keys = raw.view(torch.float8_e4m3fn).double()
@@ -863,7 +878,7 @@ def test_continuation_matches_unpatched_path(
     impl._ensure_on_device(layer, device)
     # both continuations take the cache as the kernels read it
     unpatched = _v0202_continuation(
-        impl, layer, q, k_chunk, v_chunk, physical(cache), bt, cached_len
+        impl, layer, q, k_chunk, v_chunk, slot_layout(tq, cache), bt, cached_len
     )
     patched = impl._continuation_prefill(
         query=q,

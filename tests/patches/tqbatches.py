@@ -390,6 +390,7 @@ class Batch:
     slots: list[torch.Tensor]  # per request (seq,): cache slot of each token
     cam: Any  # CommonAttentionMetadata as the runner passes it
     num_tokens: int  # real tokens (N without padding)
+    soa: bool = False  # kv_slots holds turboquant_soa's pages (h.soa_pages)
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -444,7 +445,11 @@ def _kv(reqs: list[Req], shape: Shape, g: torch.Generator) -> tuple[list, list]:
 
 
 def write_context(
-    kv_slots: torch.Tensor, slots: torch.Tensor, cfg: Any, g: torch.Generator
+    kv_slots: torch.Tensor,
+    slots: torch.Tensor,
+    cfg: Any,
+    g: torch.Generator,
+    soa: bool = False,
 ) -> None:
     """Cached tokens as a store leaves them, written straight into their
     slots: random indices (FP8 keys: N(0, 1) in FP8), and key norms, value
@@ -472,8 +477,7 @@ def write_context(
     val_bytes = math.ceil(head * vbits / 8)
     put(cfg.key_packed_size + val_bytes, scale)
     put(cfg.key_packed_size + val_bytes + 2, -scale * levels / 2)
-    block = kv_slots.shape[1]
-    kv_slots[slots // block, slots % block] = data.to(kv_slots.device)
+    h.write_records(kv_slots, slots, data, cfg, soa)
 
 
 def write_uq_context(
@@ -574,7 +578,7 @@ def make_batch(
         if h.is_ultraquant(s.preset):
             write_uq_context(cache.slots, context, s.head, g)
         else:
-            write_context(cache.slots, context, impl.tq_config, g)
+            write_context(cache.slots, context, impl.tq_config, g, h.soa_pages(impl))
     query, key, value, slot_mapping = _step_inputs(
         reqs, k_raw, v_raw, slots, pad_tokens, s, g
     )
@@ -593,6 +597,7 @@ def make_batch(
         slots,
         cam,
         sum(r.q for r in reqs),
+        h.soa_pages(impl),
     )
 
 
@@ -739,9 +744,12 @@ def decode_kernels(
         **h.decode_params(layer, impl),
     }
     old = None
-    if old_splits is not None:
+    if old_splits is not None:  # v0.33.0's kernel reads slots only
+        slots = batch.kv_slots
+        if batch.soa:
+            slots = h.as_slots(slots, impl.tq_config)
         old = triton_turboquant_decode_attention(
-            Pi=layer._tq_Pi, max_num_kv_splits=old_splits, **args
+            Pi=layer._tq_Pi, max_num_kv_splits=old_splits, **{**args, "kv_cache": slots}
         )
     if not grouped:
         return old, None
@@ -749,6 +757,8 @@ def decode_kernels(
         triton_turboquant_grouped_decode_attention,
     )
 
+    if batch.soa:
+        args["soa_layout"] = True
     new = triton_turboquant_grouped_decode_attention(
         num_kv_splits=splits, mid_o_buf=mid_o_buf, **args
     )
@@ -787,16 +797,21 @@ def _unpack(b: torch.Tensor, base: int, bits: int, head: int) -> torch.Tensor:
 
 
 def dequant(
-    kv_slots: torch.Tensor, slots: torch.Tensor, cfg: Any, centroids: torch.Tensor
+    kv_slots: torch.Tensor,
+    slots: torch.Tensor,
+    cfg: Any,
+    centroids: torch.Tensor,
+    soa: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """K and V (len, hk, head) float64 from the TQ slot bytes, in PyTorch.
+    """K and V (len, hk, head) float64 from the TQ slot bytes, in PyTorch
+    (``soa``: from turboquant_soa's pages, ``h.read_records``).
 
     Slot layout (per head and position): [MSE key indices | key norm fp16 |
     value indices | value scale fp16 | value zero fp16], keys in the
     Hadamard-rotated basis; or [FP8 (E4M3) key | value ...], keys as they are.
     """
-    hk, head = kv_slots.shape[2], cfg.head_dim
-    raw = plain(kv_slots).cpu().reshape(-1, hk, kv_slots.shape[-1])[slots.cpu()]
+    head = cfg.head_dim
+    raw = h.read_records(plain(kv_slots), slots, cfg, soa)
     b = raw.to(torch.int64)
     if cfg.key_fp8:
         k = raw[..., :head].contiguous().view(torch.float8_e4m3fn).double()
@@ -902,7 +917,9 @@ def row_kv(batch: Batch, i: int, impl: Any, layer: torch.nn.Module, path: str):
         k, v = uq_dequant(batch.kv_slots, batch.slots[i], impl.head_size)
     else:
         centroids = plain(layer._tq_centroids)
-        k, v = dequant(batch.kv_slots, batch.slots[i], impl.tq_config, centroids)
+        k, v = dequant(
+            batch.kv_slots, batch.slots[i], impl.tq_config, centroids, batch.soa
+        )
     if path == "raw":
         k[r.cached :] = batch.k_raw[i][r.cached :].double()
         v[r.cached :] = batch.v_raw[i][r.cached :].double()

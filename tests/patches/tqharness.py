@@ -77,6 +77,16 @@ vllm_config)``
 ``tq_config(preset, head_size)`` / ``tq_slot_size(preset, head_size)``
     The tree's ``TurboQuantConfig`` for a preset, and its packed slot bytes
     (UltraQuant's FP4 + UE8M0 slot for its preset).
+``soa_pages(impl)`` / ``record_offsets(kv_slots, cfg, soa)``
+    Whether ``impl`` stores turboquant_soa's pages (FlyDSL on ROCm;
+    tq-v0.33/0011 where the grouped decode runs), not slots; and where each
+    byte of a token's slot record (key codes, norm, value codes, value scale,
+    zero: the slot layout's bytes of a (token, head)) lies in a page of
+    either layout.
+``read_records(kv_slots, slots, cfg, soa)`` / ``write_records(kv_slots,
+slots, data, cfg, soa)`` / ``as_slots(kv_slots, cfg)`` / ``as_soa(...)``
+    The slot records of cache slots, in either layout; a cache of one
+    layout copied to the other.
 ``TQCache`` / ``new_tq_kv_cache(num_blocks, block_size, num_kv_heads,
 head_size, preset, generator=..., device=...)`` (generator None: drawn on
 the device)
@@ -711,6 +721,87 @@ def tq_slot_size(preset: str, head_size: int) -> int:
 # --------------------------------------------------------------------------
 # KV cache tensors
 # --------------------------------------------------------------------------
+
+
+def soa_pages(impl: Any) -> bool:
+    """Whether ``impl`` stores turboquant_soa's pages, not slots (FlyDSL on
+    ROCm; tq-v0.33/0011: where the grouped decode runs)."""
+    return bool(getattr(impl, "_soa_store", False))
+
+
+def record_offsets(kv_slots: torch.Tensor, cfg: Any, soa: bool) -> torch.Tensor:
+    """(block, hk, slot): the page offset of each byte of a token's slot
+    record (key codes, norm, value codes, value scale, zero). Slots: where
+    the cache's strides put it. turboquant_soa: rows [block, hk, key codes +
+    value codes], then fp16 arrays [hk, field, block] (norm for MSE keys,
+    value scale, value zero), the slots' padding after them."""
+    block, hk, width = kv_slots.shape[1:]
+    pos = torch.arange(block).view(-1, 1, 1)
+    head = torch.arange(hk).view(1, -1, 1)
+    if not soa:
+        _, s_pos, s_head, _ = kv_slots.stride()
+        return pos * s_pos + head * s_head + torch.arange(width)
+    d, kps = cfg.head_dim, cfg.key_packed_size
+    kb = d if cfg.key_fp8 else math.ceil(d * cfg.key_mse_bits / 8)
+    vb = math.ceil(d * cfg.effective_value_quant_bits / 8)
+    fields = ([] if cfg.key_fp8 else [kb]) + [kps + vb, kps + vb + 2]
+    used, row, two = kps + vb + 4, kb + vb, torch.arange(2)
+    out = torch.empty(block, hk, width, dtype=torch.int64)
+    rows = (pos * hk + head) * row
+    out[..., :kb] = rows + torch.arange(kb)
+    out[..., kps : kps + vb] = rows + kb + torch.arange(vb)
+    for f, at in enumerate(fields):
+        arrays = block * hk * row + 2 * ((head * len(fields) + f) * block + pos)
+        out[..., at : at + 2] = arrays + two
+    pad = block * hk * used + (pos * hk + head) * (width - used)
+    out[..., used:] = pad + torch.arange(width - used)
+    return out
+
+
+def _pages(kv_slots: torch.Tensor) -> torch.Tensor:
+    """(blocks, page bytes): each page's bytes, one contiguous run."""
+    nb, block, hk, width = kv_slots.shape
+    return kv_slots.as_strided((nb, block * hk * width), (kv_slots.stride(0), 1))
+
+
+def _record_index(kv_slots, slots, cfg, soa) -> tuple[torch.Tensor, torch.Tensor]:
+    block = kv_slots.shape[1]
+    slots = slots.to(kv_slots.device).long()
+    offs = record_offsets(kv_slots, cfg, soa).to(kv_slots.device)
+    return (slots // block).view(-1, 1, 1), offs[slots % block]
+
+
+def read_records(
+    kv_slots: torch.Tensor, slots: torch.Tensor, cfg: Any, soa: bool
+) -> torch.Tensor:
+    """(n, hk, slot) uint8 on the CPU: the slot records of cache ``slots``."""
+    blocks, offs = _record_index(kv_slots, slots, cfg, soa)
+    return _pages(kv_slots)[blocks, offs].cpu()
+
+
+def write_records(
+    kv_slots: torch.Tensor, slots: torch.Tensor, data: torch.Tensor, cfg, soa
+) -> None:
+    """Cache ``slots`` given the slot records ``data`` (n, hk, slot)."""
+    blocks, offs = _record_index(kv_slots, slots, cfg, soa)
+    _pages(kv_slots)[blocks, offs] = data.to(kv_slots.device)
+
+
+def as_slots(kv_slots: torch.Tensor, cfg: Any) -> torch.Tensor:
+    """A copy of a cache of turboquant_soa's pages as slots (for v0.33.0's
+    kernels, which read slots only)."""
+    nb, block, hk, width = kv_slots.shape
+    offs = record_offsets(kv_slots, cfg, True).to(kv_slots.device).view(-1)
+    return _pages(kv_slots)[:, offs].view(nb, block, hk, width)
+
+
+def as_soa(kv_slots: torch.Tensor, cfg: Any) -> torch.Tensor:
+    """A copy of a cache of slots as turboquant_soa's pages (same shape)."""
+    out = torch.empty_like(kv_slots)
+    offs = record_offsets(kv_slots, cfg, True).to(kv_slots.device).view(-1)
+    src = record_offsets(kv_slots, cfg, False).to(kv_slots.device).view(-1)
+    _pages(out)[:, offs] = _pages(kv_slots)[:, src]
+    return out
 
 
 @dataclass

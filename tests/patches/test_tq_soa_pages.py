@@ -1,0 +1,182 @@
+"""TurboQuant pages for the grouped decode in turboquant_soa's layout
+(tq-v0.33/0011).
+
+v0.33.0's CUDA store writes each (token, KV head) as one slot record: key
+codes, norm, value codes, scale, zero, 70 bytes at D 64 and 262 at D 256,
+so a token's code rows start 2-byte aligned and the grouped decode loads
+them two bytes at a time and repacks them (a third of 0010's 4-bit loop on
+an H200). v0.33.0 already has a layout with aligned rows, its
+turboquant_soa store (FlyDSL's, on ROCm): per page the code rows [block, Hk,
+key codes + value codes], then the fp16 fields as [Hk, field, block]
+arrays. The patch stores that layout where the grouped decode reads it
+faster (4-bit values with FP8 or 4-bit keys: turboquant_4bit_nc, k8v4),
+with the norms raw (the decode corrects them at load, as on slots).
+
+The regression test reads a page the backend stored back through both
+layouts' offsets (``tqharness.record_offsets``): on the base it holds
+slots. The others hold the patched tree to the same values: the pages
+hold the slot store's bytes rearranged (raw norms, not folded), 3-bit
+keys keep slots, the grouped decode gives the same bits on SoA pages as
+on slots (both stage-1 kernels, every preset, both query dtypes), and
+the continuation's dequantization of them the same tiles. The backend's batches over these pages are checked
+against float64 by test_tq_batches.py and test_tq_grouped_decode.py
+(the harness reads either layout).
+
+Small shapes: on CPU every Triton kernel runs in the interpreter.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import tqbatches as tb
+import tqharness as h
+
+PRESETS = {
+    "4bit_nc": "turboquant_4bit_nc",
+    "k8v4": "turboquant_k8v4",
+    "3bit_nc": "turboquant_3bit_nc",
+    "k3v4_nc": "turboquant_k3v4_nc",
+}
+SLOTS = r"^the grouped decode's KV pages hold slots"
+SOA_PRESETS = ["4bit_nc", "k8v4"]  # where the backend stores SoA pages
+REQS = [tb.Req(40, 1), tb.Req(23, 1)]
+
+
+@pytest.fixture(scope="module", params=list(PRESETS))
+def env(
+    request: pytest.FixtureRequest,
+    vllm_tree: Path,
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[tb.Backend]:
+    """The tree's backend for a GQA model the grouped decode takes (Hq 4,
+    Hk 2, D 64)."""
+    shape = tb.Shape(hq=4, hk=2, head=64, preset=PRESETS[request.param])
+    yield from tb.backend_fixture(
+        vllm_tree, tmp_path_factory, shape, f"soa_{request.param}"
+    )
+
+
+def stored(env: tb.Backend) -> tuple[Any, Any, tb.Batch, torch.Tensor]:
+    """A batch whose context the backend stored, and the same K/V stored by
+    v0.33.0's slot store into a cache of slots: (impl, layer, batch, slots)."""
+    from vllm.v1.attention.ops.triton_turboquant_store import (
+        triton_turboquant_store,
+    )
+
+    impl = env.impl()
+    layer = env.layer(impl)
+    batch = tb.make_batch(env, impl, layer, REQS, seed=11)
+    s, cfg = env.shape, impl.tq_config
+    slots = h.new_tq_kv_cache(
+        batch.kv_slots.shape[0], s.block, s.hk, s.head, s.preset,
+        generator=torch.Generator().manual_seed(1), device=tb.DEVICE,
+    ).slots  # fmt: skip
+    own = [(sl[: r.cached], k[: r.cached], v[: r.cached])
+           for sl, k, v, r in zip(batch.slots, batch.k_raw, batch.v_raw, REQS)]  # fmt: skip
+    triton_turboquant_store(
+        torch.cat([k for _, k, _ in own]).to(tb.DEVICE),
+        torch.cat([v for _, _, v in own]).to(tb.DEVICE),
+        slots,
+        torch.cat([sl for sl, _, _ in own]).to(tb.DEVICE, torch.int32),
+        layer._tq_PiT,
+        layer._tq_midpoints,
+        mse_bits=cfg.key_mse_bits,
+        key_packed_size=cfg.key_packed_size,
+        value_quant_bits=cfg.effective_value_quant_bits,
+        key_fp8=cfg.key_fp8,
+    )
+    return impl, layer, batch, slots
+
+
+def cached(batch: tb.Batch) -> torch.Tensor:
+    return torch.cat([sl[: r.cached] for sl, r in zip(batch.slots, REQS)])
+
+
+def layout_of(batch: tb.Batch, slots: torch.Tensor, cfg: Any) -> str | None:
+    """Which layout's offsets read the slot store's records back from the
+    batch's pages: "soa", "slots" or None."""
+    ids = cached(batch)
+    want = h.read_records(slots, ids, cfg, soa=False)
+    for name, soa in (("soa", True), ("slots", False)):
+        if torch.equal(h.read_records(batch.kv_slots, ids, cfg, soa), want):
+            return name
+    return None
+
+
+@pytest.mark.bug_signature(AssertionError, SLOTS)
+@pytest.mark.parametrize("env", SOA_PRESETS, indirect=True)
+def test_grouped_decode_pages_are_soa_rows(env: tb.Backend) -> None:
+    """The backend's pages, read through turboquant_soa's offsets, hold the
+    slot store's records (raw norms): each token's codes one row of key
+    and value codes, the fp16 fields in arrays after the page's rows."""
+    impl, _, batch, slots = stored(env)
+    cfg = impl.tq_config
+    layout = layout_of(batch, slots, cfg)
+    if layout == "slots":
+        raise AssertionError(
+            f"the grouped decode's KV pages hold slots ({cfg.slot_size}-byte "
+            "records a token and head), not turboquant_soa's code rows and "
+            "fp16 field arrays"
+        )
+    assert layout == "soa", "the backend's pages hold neither layout's records"
+
+
+@pytest.mark.parametrize("env", ["3bit_nc", "k3v4_nc"], indirect=True)
+def test_three_bit_keys_keep_slots(env: tb.Backend) -> None:
+    """3-bit MSE keys, where the grouped decode was slower on SoA pages
+    (0009's byte loads of 3-bit groups), stay in slots."""
+    impl, _, batch, slots = stored(env)
+    assert layout_of(batch, slots, impl.tq_config) == "slots"
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_soa_decode_matches_slot_decode(env: tb.Backend, dtype: torch.dtype) -> None:
+    """The grouped decode over SoA pages (the slot store's records moved,
+    ``h.as_soa``) gives the bits it gives over the slots, at 1 and 2
+    splits: both stage-1 kernels, every preset."""
+    from vllm.v1.attention.ops.triton_turboquant_grouped_decode import (
+        triton_turboquant_grouped_decode_attention as grouped,
+    )
+
+    impl, layer, batch, slots = stored(env)
+    pages = h.as_soa(slots, impl.tq_config)
+    s = env.shape
+    q = torch.randn(len(REQS), s.hq, s.head, generator=torch.Generator().manual_seed(3))
+    args = {
+        "query": q.to(dtype).to(tb.DEVICE),
+        "block_table": batch.cam.block_table_tensor,
+        "seq_lens": torch.tensor([r.cached for r in REQS], dtype=torch.int32).to(
+            tb.DEVICE
+        ),
+        **h.decode_params(layer, impl),
+    }
+    for splits in (1, 2):
+        on_slots = grouped(kv_cache=slots, num_kv_splits=splits, **args)
+        on_soa = grouped(kv_cache=pages, num_kv_splits=splits, soa_layout=True, **args)
+        assert torch.equal(on_soa, on_slots), (
+            f"{splits} splits: max |soa - slots| = "
+            f"{(on_soa.float() - on_slots.float()).abs().max().item():.3g}"
+        )
+
+
+def test_continuation_dequant_of_soa_pages(env: tb.Backend) -> None:
+    """The continuation's tiles (``_dequant_tile``) from SoA pages, the
+    norms corrected at load, equal those from the slots."""
+    impl, layer, batch, slots = stored(env)
+    s, n = env.shape, REQS[0].cached
+    table = batch.cam.block_table_tensor[:1]
+    tiles = []
+    for cache, soa in ((h.as_soa(slots, impl.tq_config), True), (slots, False)):
+        impl._soa_store = soa
+        k = torch.zeros(n, s.hk, s.head, dtype=torch.float16, device=tb.DEVICE)
+        v = torch.zeros_like(k)
+        impl._dequant_tile(cache, table, layer._tq_centroids, k, v)
+        tiles.append((k, v))
+    (k_soa, v_soa), (k_slots, v_slots) = tiles
+    assert torch.equal(k_soa, k_slots), "keys differ"
+    assert torch.equal(v_soa, v_slots), "values differ"
