@@ -449,7 +449,7 @@ def run_dim_preset(env, d: int, preset: str, res: dict, t_end: float) -> None:
     """Every data mode, GQA and cell of one (head size, preset) on one cache."""
     cells = list(CELLS)
     sweep = SWEEP if SWEEP and SWEEP[:2] == (preset, d) else None
-    copies = 1 + sum(hasattr(m, "configure") for m in env.grouped.values())
+    copies = 1 + sum(getattr(m, "CONVERTS_CACHE", False) for m in env.grouped.values())
     more = [sweep[3]] if sweep else []
     fits, num_blocks = fitting(preset, d, cells + more, copies)
     for c in cells:

@@ -59,6 +59,7 @@ from vllm.v1.attention.ops.triton_turboquant_grouped_decode import (
     _tile_weights,
 )
 
+CONVERTS_CACHE = True  # the suite's memory: a copy of each cache
 CONFIG = (16, 1, 1)  # BLOCK_KV, num_warps, num_stages: 0010's (the default)
 PRESETS = ("turboquant_4bit_nc", "turboquant_k8v4")  # 4-bit values, 4-bit or FP8 keys
 

@@ -1,0 +1,49 @@
+"""The tree's grouped decode on turboquant_soa's pages (tq-v0.33/0011), as a
+variant of the decode accuracy suite: ``--variant soa=ci/gpu/tq_soa_tree.py``.
+
+The suite writes its caches as slots and runs the tree's launcher on them
+(0010's path: slots are what the launcher reads by default). This variant
+runs the same launcher with ``soa_layout=True`` on a copy of the cache in
+the layout the patched backend stores (``tqharness.as_soa``: each slot
+record's bytes moved, no value changed), so both are held to the same
+float64 reference in one process, beside v0.33.0's kernel.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import torch
+import tqharness as h
+import vllm.v1.attention.ops.triton_turboquant_grouped_decode as gd
+
+_config = gd._config
+grouped_decode_num_splits = gd.grouped_decode_num_splits
+grouped_decode_in_registers = gd.grouped_decode_in_registers
+CONVERTS_CACHE = True  # the suite's memory: a copy of each cache
+_CONVERTED: dict = {}
+
+
+def _soa(kv_cache: torch.Tensor, args: dict) -> torch.Tensor:
+    """The cache as SoA pages, converted once a cache version (one at a
+    time: the suite's memory)."""
+    key = (kv_cache.data_ptr(), kv_cache._version, kv_cache.shape)
+    if key not in _CONVERTED:
+        _CONVERTED.clear()
+        cfg = SimpleNamespace(
+            head_dim=args["query"].shape[-1],
+            key_fp8=args.get("key_fp8", False),
+            key_mse_bits=args["mse_bits"],
+            key_packed_size=args["key_packed_size"],
+            effective_value_quant_bits=args["value_quant_bits"],
+        )
+        _CONVERTED[key] = h.as_soa(kv_cache, cfg)
+    return _CONVERTED[key]
+
+
+def triton_turboquant_grouped_decode_attention(
+    kv_cache: torch.Tensor, **args
+) -> torch.Tensor:
+    return gd.triton_turboquant_grouped_decode_attention(
+        kv_cache=_soa(kv_cache, args), soa_layout=True, **args
+    )
