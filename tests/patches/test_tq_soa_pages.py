@@ -18,7 +18,10 @@ slots. The others hold the patched tree to the same values: the pages
 hold the slot store's bytes rearranged (raw norms, not folded), 3-bit
 keys keep slots, the grouped decode gives the same bits on SoA pages as
 on slots (both stage-1 kernels, every preset, both query dtypes), and
-the continuation's dequantization of them the same tiles. The backend's batches over these pages are checked
+the continuation's dequantization of them the same tiles. Where a batch
+has many programs at head size 256 the SoA decode takes wider steps (and
+fp16 queries the registers stage 1): its output within twice the
+rounding of the slots'. The backend's batches over these pages are checked
 against float64 by test_tq_batches.py and test_tq_grouped_decode.py
 (the harness reads either layout).
 
@@ -180,3 +183,72 @@ def test_continuation_dequant_of_soa_pages(env: tb.Backend) -> None:
     (k_soa, v_soa), (k_slots, v_slots) = tiles
     assert torch.equal(k_soa, k_slots), "keys differ"
     assert torch.equal(v_soa, v_slots), "values differ"
+
+
+@pytest.mark.parametrize(
+    "preset,dtype,group",
+    [
+        ("turboquant_4bit_nc", torch.bfloat16, 4),  # 32 tokens on two warps
+        ("turboquant_4bit_nc", torch.float16, 4),  # registers stage 1, low parts
+        ("turboquant_k8v4", torch.bfloat16, 16),  # FP8 keys, 32 on two warps
+    ],
+)
+def test_soa_decode_at_many_programs(
+    vllm_tree: Path, cpu_platform: Any, preset: str, dtype: torch.dtype, group: int
+) -> None:
+    """Where a batch has at least ``_many_programs`` (8 requests x 2 KV
+    heads on CPU's 32 SMs) at head size 256, the decode on SoA pages takes
+    other steps than on slots (32 tokens on two warps; fp16 queries on the
+    registers stage 1): the same output to within twice its rounding."""
+    from vllm.model_executor.layers.quantization.turboquant.centroids import (
+        get_centroids,
+    )
+    from vllm.v1.attention.backends.turboquant_attn import _build_hadamard
+    from vllm.v1.attention.ops import triton_turboquant_grouped_decode as gd
+    from vllm.v1.attention.ops.triton_turboquant_store import (
+        triton_turboquant_store,
+    )
+
+    d, hk, block, batch = 256, 2, 16, 8
+    assert gd._many_programs(batch, hk, torch.device(tb.DEVICE.type)) or tb.HAS_CUDA
+    cfg = h.tq_config(preset, d)
+    g = torch.Generator().manual_seed(5)
+    lens = torch.randint(1, 120, (batch,), generator=g, dtype=torch.int32)
+    pages = -(-int(lens.max()) // block)
+    k, v = torch.randn(2, batch * pages * block, hk, d, generator=g).to(dtype)
+    cen = get_centroids(d, cfg.centroid_bits).float()
+    mids = (cen.sort()[0][1:] + cen.sort()[0][:-1]) / 2
+    pit = _build_hadamard(d, str(tb.DEVICE))
+    slots = torch.zeros(
+        batch * pages, block, hk, cfg.slot_size_aligned, dtype=torch.uint8
+    )
+    slots = slots.to(tb.DEVICE)
+    triton_turboquant_store(
+        k.to(tb.DEVICE), v.to(tb.DEVICE), slots,
+        torch.arange(k.shape[0], dtype=torch.int32, device=tb.DEVICE),
+        pit, mids.to(tb.DEVICE), mse_bits=cfg.key_mse_bits,
+        key_packed_size=cfg.key_packed_size,
+        value_quant_bits=cfg.effective_value_quant_bits, key_fp8=cfg.key_fp8,
+    )  # fmt: skip
+    args = {
+        "query": torch.randn(batch, hk * group, d, generator=g).to(dtype).to(tb.DEVICE),
+        "block_table": torch.arange(batch * pages, dtype=torch.int32)
+        .view(batch, pages)
+        .to(tb.DEVICE),
+        "seq_lens": lens.to(tb.DEVICE),
+        "centroids": cen.to(tb.DEVICE),
+        "scale": d**-0.5,
+        "mse_bits": cfg.key_mse_bits,
+        "key_packed_size": cfg.key_packed_size,
+        "value_quant_bits": cfg.effective_value_quant_bits,
+        "num_kv_splits": 2,
+        "key_fp8": cfg.key_fp8,
+        "norm_correction": cfg.norm_correction,
+        "PiT": pit,
+    }
+    on_slots = gd.triton_turboquant_grouped_decode_attention(kv_cache=slots, **args)
+    on_soa = gd.triton_turboquant_grouped_decode_attention(
+        kv_cache=h.as_soa(slots, cfg), soa_layout=True, **args
+    )
+    err = (on_soa.float() - on_slots.float()).abs().max().item()
+    assert err <= 2 * tb.half_ulp(dtype, on_slots), f"max |soa - slots| = {err:.3g}"
