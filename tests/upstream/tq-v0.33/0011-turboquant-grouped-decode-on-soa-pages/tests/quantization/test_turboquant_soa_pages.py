@@ -18,9 +18,6 @@ import torch
 
 from vllm.platforms import current_platform
 from vllm.v1.attention.backends import turboquant_attn
-from vllm.v1.attention.ops.triton_turboquant_grouped_decode import (
-    triton_turboquant_grouped_decode_attention,
-)
 from vllm.v1.attention.ops.triton_turboquant_store import triton_turboquant_store
 from vllm.v1.attention.ops.turboquant_soa.triton_turboquant_store import (
     triton_turboquant_store as soa_store,
@@ -100,6 +97,10 @@ def test_grouped_decode_layers_store_soa_pages(monkeypatch, preset):
         "the grouped decode's layers store slots, not turboquant_soa's pages"
     )
     assert torch.equal(cache, soa), "the pages differ from the SoA store's (raw norms)"
+
+    from vllm.v1.attention.ops.triton_turboquant_grouped_decode import (
+        triton_turboquant_grouped_decode_attention,
+    )
 
     query = torch.randn(2, NUM_HEADS, HEAD_SIZE, generator=gen)
     args = {
