@@ -371,7 +371,8 @@ def test_image_with_docker_defaults(built: dict, tmp_path: Path) -> None:
     lines = r.stdout.splitlines()
     at = lines.index(tag)
     assert re.fullmatch(
-        rf"  vllm {re.escape(built['version'])}: stack tq-v0.33 \(9 patch\(es\)\) "
+        rf"  vllm {re.escape(built['version'])}: stack tq-v0.33 "
+        rf"\({len(PATCHES)} patch\(es\)\) "
         rf"over vllm/vllm-openai:v{RELEASE}, built by docker in \d+ s",
         lines[at + 1])
     assert lines[at + 2:] == [
