@@ -46,6 +46,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch
 import tq_attention_data as data
 import tq_decode_bench as bench
+import tq_goal as fa2
 import tqlib
 from tqlib import h
 
@@ -69,6 +70,7 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--base-kernel", required=True, help="v0.33.0's module file")
     ap.add_argument("--variant", action="append", default=[], help="NAME=FILE")
     ap.add_argument("--tree-name", default="0009", help="the tree's grouped decode")
+    ap.add_argument("--tree-variant", help="FILE: the tree's column through it")
     ap.add_argument("--out", required=True)
     ap.add_argument("--presets", help="comma list without turboquant_")
     ap.add_argument("--dims", help="comma list of head sizes")
@@ -84,6 +86,8 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--dtype", choices=("bfloat16", "float16"), default="bfloat16")
     ap.add_argument("--data", help="ATTN:VALUES,... (tq_attention_data.py)")
     ap.add_argument("--hk", type=int, help="KV heads (4)")
+    ap.add_argument("--fa2", action="store_true", help="time FA2 and the floor too")
+    ap.add_argument("--goal", help="the kernel held to issue 54's goals (--fa2)")
     a = ap.parse_args()
     DTYPE = getattr(torch, a.dtype)
     if a.small:
@@ -120,9 +124,12 @@ def kernels(args, gd: ModuleType) -> tuple[ModuleType, dict, dict]:
     """v0.33.0's module, {name: grouped module} (the tree's first, named
     --tree-name), and where each came from (file, sha256)."""
     up = tqlib.load_module("tq_accuracy_up", args.base_kernel)
-    grouped = {args.tree_name: gd}
     files = {"up": [args.base_kernel, sha256(args.base_kernel)]}
     files[args.tree_name] = [gd.__file__, sha256(gd.__file__)]
+    if args.tree_variant:  # e.g. the tree's decode on the pages its backend stores
+        gd = tqlib.load_module("tq_accuracy_tree", args.tree_variant)
+        files[args.tree_name].append(args.tree_variant)
+    grouped = {args.tree_name: gd}
     for spec in args.variant:
         name, path = spec.split("=", 1)
         grouped[name] = tqlib.load_module(f"tq_accuracy_{name}", path)
@@ -352,6 +359,9 @@ class Cell:
         res = self.measure(fn, flush, ref)
         if vs_cache is not None:
             res["err_vs_cache"] = vs_cache
+        if getattr(module, "OWN_SPLITS", False):  # its own plan, not the suite's
+            res.update(splits=None, tokens_per_split=None)
+            return res
         cfg = self.shape.cfg
         bkv = module._config(
             cfg.key_fp8, cfg.key_mse_bits, cfg.effective_value_quant_bits
@@ -402,6 +412,9 @@ def run_cell(env, shape: Shape, num_blocks: int, batch: int, length: int,
     limit = bound(row["up"]["err"])
     ref_max = float(cell.ref.abs().max())
     for name, module in env.grouped.items():
+        serves = getattr(module, "serves", None)
+        if serves and not serves(shape.cfg, DTYPE, shape.d, shape.gqa):
+            continue
         s = splits or forward_splits(module, batch, shape.cfg)
         try:
             res = cell.grouped(module, s, env.flush)
@@ -412,6 +425,8 @@ def run_cell(env, shape: Shape, num_blocks: int, batch: int, length: int,
         res["within_bound"] = "bias" in res and within(res, row["up"], ref_max)
         row[name] = res
     row["bound"] = limit
+    if env.fa2 is not None:
+        row.update(fa2.times(env, shape, batch, length, REPS))
     print("  " + brief(row), flush=True)
     del cell
     return row
@@ -426,6 +441,8 @@ def brief(row: dict) -> str:
         parts.append(f"{name} S{r['splits']} err {r['err']:.2e} "
                      f"bias {r.get('bias', math.nan):+.2f} "
                      f"{r.get('ms', float('nan')):.3f} ms")  # fmt: skip
+    if "fa2_ms" in row:
+        parts.append(f"fa2 {row['fa2_ms']:.3f} ms, floor {row['floor_ms']:.3f} ms")
     return ", ".join(parts)
 
 
@@ -451,22 +468,24 @@ def run_dim_preset(env, d: int, preset: str, res: dict, t_end: float) -> None:
     sweep = SWEEP if SWEEP and SWEEP[:2] == (preset, d) else None
     copies = 1 + sum(getattr(m, "CONVERTS_CACHE", False) for m in env.grouped.values())
     more = [sweep[3]] if sweep else []
+    if env.fa2 is not None:  # FA2's K/V first: the caches take what is left
+        fa2.reserve(env, d, GQAS, cells, DTYPE)
     fits, num_blocks = fitting(preset, d, cells + more, copies)
     for c in cells:
         if c not in fits:
             res["not_run"].append([preset, d, None, *c, "memory"])
-    if not fits:
-        return
-    full = f"turboquant_{preset}"
-    cache = h.new_tq_kv_cache(num_blocks, BLOCK, HK, d, full, generator=None,
-                              device=tqlib.DEVICE)  # fmt: skip
-    for mode in DATA:
-        bench.fill_fields(cache.slots, h.tq_config(full, d))
-        data.set_values(cache.slots, h.tq_config(full, d), mode[1])
-        for gqa in GQAS:
-            run_shape(env, Shape(env, preset, d, gqa, cache), mode, res, t_end,
-                      fits, num_blocks, sweep)  # fmt: skip
-    del cache
+    if fits:
+        full = f"turboquant_{preset}"
+        cache = h.new_tq_kv_cache(num_blocks, BLOCK, HK, d, full, generator=None,
+                                  device=tqlib.DEVICE)  # fmt: skip
+        for mode in DATA:
+            bench.fill_fields(cache.slots, h.tq_config(full, d))
+            data.set_values(cache.slots, h.tq_config(full, d), mode[1])
+            for gqa in GQAS:
+                run_shape(env, Shape(env, preset, d, gqa, cache), mode, res, t_end,
+                          fits, num_blocks, sweep)  # fmt: skip
+        del cache
+    env.fa2_kv = None
     if tqlib.HAS_CUDA:
         torch.cuda.empty_cache()
 
@@ -504,7 +523,7 @@ def run_shape(env, shape: Shape, mode, res, t_end, fits, num_blocks, sweep) -> N
 def compiled_stage1(env, seen: dict | None) -> dict:
     """Per kernel module, [shared memory bytes, registers, spills] of each
     stage 1 that Triton compiled (from its per-device cache), less the
-    first ``seen[name]`` of them; {} where the cache's layout differs."""
+    first ``seen[name]`` of them; none for a module without that kernel."""
     mods = {"up": (env.up, "_tq_decode_stage1")}
     mods |= {n: (m, "_tq_grouped_decode_stage1") for n, m in env.grouped.items()}
     out = {}
@@ -513,7 +532,7 @@ def compiled_stage1(env, seen: dict | None) -> dict:
             caches = getattr(module, fn).device_caches.values()
             kernels = [k for c in caches for k in c[0].values()]
         except (AttributeError, IndexError, TypeError):
-            return {}
+            continue  # no such kernel (a wrapper, the peer) or another cache layout
         # A kernel that failed to launch (OutOfResources) has no registers.
         stats = [[k.metadata.shared, getattr(k, "n_regs", None),
                   getattr(k, "n_spills", None)] for k in kernels]  # fmt: skip
@@ -552,11 +571,13 @@ def table(res: dict) -> str:
     lines = [title, "", head, "|" + "---|" * (8 + 3 * len(names))]
     for tag, rows in (("", res["rows"]), ("sweep ", res["sweep"])):
         for r in rows:
-            g = r[names[1]]
+            g, runs = r[names[1]], [n for n in names if n in r]
             errs = [f"{r[n]['err']:.2e}" + ("" if n == "up" else (
-                " ok" if r[n]["within_bound"] else " NO")) for n in names]  # fmt: skip
-            ms = [f"{r[n]['ms']:.3f}" if "ms" in r[n] else "-" for n in names]
-            bias = [f"{r[n].get('bias', math.nan):+.2f}" for n in names]
+                " ok" if r[n]["within_bound"] else " NO")) if n in r else "-"
+                for n in names]  # fmt: skip
+            ms = [f"{r[n]['ms']:.3f}" if "ms" in r.get(n, {}) else "-" for n in names]
+            bias = [f"{r[n].get('bias', math.nan):+.2f}" if n in runs else "-"
+                    for n in names]  # fmt: skip
             lines.append(
                 f"| {r.get('data', 'flat:normal')} | {tag}{r['preset']} | {r['D']} "
                 f"| {r['GQA']} | {r['B']} x "
@@ -569,16 +590,18 @@ def table(res: dict) -> str:
                 + " |"
             )
     bad = [r for r in res["rows"] + res["sweep"] for n in names[1:]
-           if not r[n]["within_bound"]]  # fmt: skip
+           if n in r and not r[n]["within_bound"]]  # fmt: skip
     failed = sorted({f"{r['preset']} D{r['D']} G{r['GQA']} {n}: {r[n]['error']}"
                      for r in res["rows"] + res["sweep"] for n in names[1:]
-                     if "error" in r[n]})  # fmt: skip
+                     if "error" in r.get(n, {})})  # fmt: skip
     lines += ["", (f"cells: {len(res['rows'])} + sweep {len(res['sweep'])}; "
               f"(kernel, cell) pairs over the bound: {len(bad)}; not run: "
               f"{len(res['not_run'])}; errors: {len(res['errors'])}"),
               (f"dequant vs tqbatches.dequant (max abs): "
                f"{json.dumps(res['dequant_vs_harness'])}")]  # fmt: skip
     lines += [f"launch failed: {x}" for x in failed]
+    if res.get("goal"):
+        lines += fa2.lines(res, res["goal"])
     return "\n".join(lines) + "\n"
 
 
@@ -590,16 +613,20 @@ def main() -> int:
     env = tqlib.use_tree(args.tree)
     import vllm.v1.attention.ops.triton_turboquant_grouped_decode as gd
 
-    env.gd, env.out = gd, out
+    env.gd, env.out, env.hk, env.fa2 = gd, out, HK, None
     env.up, env.grouped, files = kernels(args, gd)
     env.flush = torch.empty(bench.FLUSH_BYTES if tqlib.HAS_CUDA else 1 << 20,
                             dtype=torch.uint8, device=tqlib.DEVICE)  # fmt: skip
+    if args.fa2:
+        fa2.setup(env)
     res = {
         "device": tqlib.device_info(), "tree": str(env.tree), "files": files,
         "kernels": ["up", *env.grouped], "Hk": HK, "block": BLOCK,
         "max_num_seqs": MAX_NUM_SEQS, "rows_checked": ROWS, "reps": REPS,
         "argv": sys.argv[1:], "rows": [], "sweep": [], "not_run": [],
         "errors": [], "shape_s": {}, "dequant_vs_harness": {}, "compiled": {},
+        "goal": args.goal if args.fa2 else None,
+        "ceilings": getattr(env, "ceil", None),
     }  # fmt: skip
     for d in DIMS:
         for preset in PRESETS:

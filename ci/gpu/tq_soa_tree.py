@@ -1,12 +1,17 @@
-"""The tree's grouped decode on turboquant_soa's pages (tq-v0.33/0011), as a
-variant of the decode accuracy suite: ``--variant soa=ci/gpu/tq_soa_tree.py``.
+"""The tree's grouped decode on the pages its backend stores (tq-v0.33/0011),
+as a variant of the decode accuracy suite:
+``--variant 0011=ci/gpu/tq_soa_tree.py``.
 
 The suite writes its caches as slots and runs the tree's launcher on them
-(0010's path: slots are what the launcher reads by default). This variant
-runs the same launcher with ``soa_layout=True`` on a copy of the cache in
-the layout the patched backend stores (``tqharness.as_soa``: each slot
-record's bytes moved, no value changed), so both are held to the same
-float64 reference in one process, beside v0.33.0's kernel.
+(0010's path: slots are what the launcher reads by default). Where the
+patched backend stores turboquant_soa's pages
+(``grouped_decode_soa_pages``: 4-bit values with FP8 or 4-bit keys), this
+variant runs the same launcher with ``soa_layout=True`` on a copy of the
+cache in that layout (``tqharness.as_soa``: each slot record's bytes
+moved, no value changed); 3-bit keys stay on the suite's slots, as the
+backend keeps them. So both are held to the same float64 reference in one
+process, beside v0.33.0's kernel. (Before 2026-12-03 17:00Z it converted every
+preset's cache: results/soa-pages-2026-12-03/call1's 3-bit rows.)
 """
 
 from __future__ import annotations
@@ -44,6 +49,9 @@ def _soa(kv_cache: torch.Tensor, args: dict) -> torch.Tensor:
 def triton_turboquant_grouped_decode_attention(
     kv_cache: torch.Tensor, **args
 ) -> torch.Tensor:
+    fp8, vbits = args.get("key_fp8", False), args["value_quant_bits"]
+    if not gd.grouped_decode_soa_pages(fp8, args["mse_bits"], vbits):
+        return gd.triton_turboquant_grouped_decode_attention(kv_cache=kv_cache, **args)
     return gd.triton_turboquant_grouped_decode_attention(
         kv_cache=_soa(kv_cache, args), soa_layout=True, **args
     )
