@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import inspect
 import json
 import math
 import sys
@@ -371,16 +372,18 @@ class Cell:
         return res
 
 
-def forward_splits(gd: ModuleType, batch: int, cfg) -> int:
+def forward_splits(gd: ModuleType, batch: int, shape: Shape) -> int:
     """The split count the patched forward takes for ``batch`` requests
-    (with 0010, of the preset's stage 1)."""
+    (with 0010, of the preset's stage 1; with 0012, of the shape's)."""
     budget = MAX_NUM_SEQS * UP_SPLITS // max(batch, 1)
     regs = getattr(gd, "grouped_decode_in_registers", None)
     if regs is None:
         return gd.grouped_decode_num_splits(batch, HK, budget, tqlib.DEVICE)
-    in_registers = regs(
-        cfg.key_fp8, cfg.key_mse_bits, cfg.effective_value_quant_bits, DTYPE
-    )
+    cfg = shape.cfg
+    args = [cfg.key_fp8, cfg.key_mse_bits, cfg.effective_value_quant_bits, DTYPE]
+    if "head_dim" in inspect.signature(regs).parameters:
+        args += [shape.d, shape.gqa]
+    in_registers = regs(*args)
     return gd.grouped_decode_num_splits(batch, HK, budget, tqlib.DEVICE, in_registers)
 
 
@@ -415,7 +418,7 @@ def run_cell(env, shape: Shape, num_blocks: int, batch: int, length: int,
         serves = getattr(module, "serves", None)
         if serves and not serves(shape.cfg, DTYPE, shape.d, shape.gqa):
             continue
-        s = splits or forward_splits(module, batch, shape.cfg)
+        s = splits or forward_splits(module, batch, shape)
         try:
             res = cell.grouped(module, s, env.flush)
         except Exception as e:  # e.g. Triton's OutOfResources: recorded

@@ -259,9 +259,10 @@ def test_matches_reference_no_worse_than_v0_33(shape_env) -> None:
     1.002 half ulps in each of the 20 cases), so there the bound is the
     rounding and v0.33.0's kernel, three quarters of the test's time on
     CPU, runs on a GPU only. Then bf16 queries and outputs against the
-    reference of the bf16 query, within a bf16 ulp: the interpreter rounds
-    fp32 to bf16 toward zero (tq-v0.33/0010 rounds 4-bit keys' centroids
-    to fp16 alone there, each score to about 2**-12 of itself)."""
+    reference of the bf16 query, within a bf16 ulp (the interpreter rounds
+    fp32 to bf16 toward zero) and 2**-11 of the largest |output|: with bf16
+    queries the registers stage 1 rounds MSE keys' centroids to fp16 alone,
+    each score to about 2**-12 of itself (3-bit keys there: 1.014 ulps)."""
     env, (cached, splits) = shape_env
     impl, layer, batch = tb.decode_batch(env, cached, seed=sum(cached) + splits)
     old_splits = 4 if torch.cuda.is_available() else None
@@ -285,8 +286,8 @@ def test_matches_reference_no_worse_than_v0_33(shape_env) -> None:
     bf16.query = bf16.query.half()  # exact: the reference takes fp16
     want = torch.cat(tb.reference(bf16, impl, layer))
     err = (new.cpu().double().reshape(want.shape) - want).abs().max().item()
-    ulp = 2 * tb.half_ulp(new.dtype, want)
-    assert err <= ulp * 1.01, f"grouped decode error {err:.3g} > {ulp:.3g} at bf16"
+    bound = 2 * tb.half_ulp(new.dtype, want) + 2**-11 * want.abs().max().item()
+    assert err <= bound, f"grouped decode error {err:.3g} > {bound:.3g} at bf16"
 
 
 # The fp32 partial output of one split of 8K tokens against float64: the
