@@ -20,6 +20,7 @@ import os
 from types import SimpleNamespace
 
 import torch
+import tqlib
 import tqpeer
 
 CONVERTS_CACHE = True  # the suite's memory: a copy of each cache
@@ -48,22 +49,6 @@ def grouped_decode_num_splits(*args, **kwargs) -> int:
     return 1  # the suite's buffers only; the peer plans its own
 
 
-def _peer_cache(kv_cache: torch.Tensor, args: dict) -> torch.Tensor:
-    """The cache in the peer's layout, once a cache version."""
-    key = (kv_cache.data_ptr(), kv_cache._version, kv_cache.shape)
-    if key not in _CONVERTED:
-        _CONVERTED.clear()
-        cfg = SimpleNamespace(
-            head_dim=args["query"].shape[-1],
-            key_fp8=args.get("key_fp8", False),
-            key_mse_bits=args["mse_bits"],
-            key_packed_size=args["key_packed_size"],
-            effective_value_quant_bits=args["value_quant_bits"],
-        )
-        _CONVERTED[key] = tqpeer.to_peer_layout(kv_cache, cfg)
-    return _CONVERTED[key]
-
-
 def _launch(q: torch.Tensor, kv: torch.Tensor, table, seq_lens, block: int):
     """(workspace, longest context) of a cell: read on its eager call."""
     key = (q.shape, table.data_ptr(), seq_lens.data_ptr(), seq_lens._version)
@@ -89,7 +74,8 @@ def triton_turboquant_grouped_decode_attention(
     PiT: torch.Tensor,
     **args,
 ) -> torch.Tensor:
-    kv = _peer_cache(kv_cache, {"query": query, **args})
+    args["query"] = query
+    kv = tqlib.converted_cache(kv_cache, args, tqpeer.to_peer_layout, _CONVERTED)
     block = kv_cache.shape[1]
     ws, length = _launch(query, kv, block_table, seq_lens, block)
     _PEER.ext.run_with_workspace(

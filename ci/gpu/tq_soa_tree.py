@@ -16,10 +16,9 @@ preset's cache: results/soa-pages-2026-12-03/call1's 3-bit rows.)
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import torch
 import tqharness as h
+import tqlib
 import vllm.v1.attention.ops.triton_turboquant_grouped_decode as gd
 
 _config = gd._config
@@ -29,23 +28,6 @@ CONVERTS_CACHE = True  # the suite's memory: a copy of each cache
 _CONVERTED: dict = {}
 
 
-def _soa(kv_cache: torch.Tensor, args: dict) -> torch.Tensor:
-    """The cache as SoA pages, converted once a cache version (one at a
-    time: the suite's memory)."""
-    key = (kv_cache.data_ptr(), kv_cache._version, kv_cache.shape)
-    if key not in _CONVERTED:
-        _CONVERTED.clear()
-        cfg = SimpleNamespace(
-            head_dim=args["query"].shape[-1],
-            key_fp8=args.get("key_fp8", False),
-            key_mse_bits=args["mse_bits"],
-            key_packed_size=args["key_packed_size"],
-            effective_value_quant_bits=args["value_quant_bits"],
-        )
-        _CONVERTED[key] = h.as_soa(kv_cache, cfg)
-    return _CONVERTED[key]
-
-
 def triton_turboquant_grouped_decode_attention(
     kv_cache: torch.Tensor, **args
 ) -> torch.Tensor:
@@ -53,5 +35,7 @@ def triton_turboquant_grouped_decode_attention(
     if not gd.grouped_decode_soa_pages(fp8, args["mse_bits"], vbits):
         return gd.triton_turboquant_grouped_decode_attention(kv_cache=kv_cache, **args)
     return gd.triton_turboquant_grouped_decode_attention(
-        kv_cache=_soa(kv_cache, args), soa_layout=True, **args
+        kv_cache=tqlib.converted_cache(kv_cache, args, h.as_soa, _CONVERTED),
+        soa_layout=True,
+        **args,
     )

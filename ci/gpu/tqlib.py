@@ -70,6 +70,25 @@ def use_tree(tree: str | Path) -> SimpleNamespace:
     )
 
 
+def converted_cache(kv_cache, args: dict, convert: Callable, held: dict):
+    """``convert(kv_cache, cfg)`` once a cache version, one at a time in
+    ``held`` (the suite's memory): a suite variant's copy of the cache in
+    its layout. ``cfg`` holds the preset's fields the launchers' ``args``
+    carry."""
+    key = (kv_cache.data_ptr(), kv_cache._version, kv_cache.shape)
+    if key not in held:
+        held.clear()
+        cfg = SimpleNamespace(
+            head_dim=args["query"].shape[-1],
+            key_fp8=args.get("key_fp8", False),
+            key_mse_bits=args["mse_bits"],
+            key_packed_size=args["key_packed_size"],
+            effective_value_quant_bits=args["value_quant_bits"],
+        )
+        held[key] = convert(kv_cache, cfg)
+    return held[key]
+
+
 def load_module(name: str, path: str | Path) -> ModuleType:
     """A kernel module from its file, beside the tree's (its imports
     resolve in the tree), as sys.modules[name]."""
