@@ -47,7 +47,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch
 import tq_attention_data as data
 import tq_decode_bench as bench
-import tq_goal as fa2
+import tq_goal as goal
 import tqlib
 from tqlib import h
 
@@ -428,8 +428,8 @@ def run_cell(env, shape: Shape, num_blocks: int, batch: int, length: int,
         res["within_bound"] = "bias" in res and within(res, row["up"], ref_max)
         row[name] = res
     row["bound"] = limit
-    if env.fa2 is not None:
-        row.update(fa2.times(env, shape, batch, length, REPS))
+    if env.fa2_ms is not None:
+        row.update(goal.times(env, shape, batch, length, REPS))
     print("  " + brief(row), flush=True)
     del cell
     return row
@@ -471,8 +471,8 @@ def run_dim_preset(env, d: int, preset: str, res: dict, t_end: float) -> None:
     sweep = SWEEP if SWEEP and SWEEP[:2] == (preset, d) else None
     copies = 1 + sum(getattr(m, "CONVERTS_CACHE", False) for m in env.grouped.values())
     more = [sweep[3]] if sweep else []
-    if env.fa2 is not None:  # FA2's K/V first: the caches take what is left
-        fa2.reserve(env, d, GQAS, cells, DTYPE)
+    if env.fa2_ms is not None:  # FA2's K/V first: the caches take what is left
+        goal.reserve(env, d, GQAS, cells, DTYPE)
     fits, num_blocks = fitting(preset, d, cells + more, copies)
     for c in cells:
         if c not in fits:
@@ -604,7 +604,7 @@ def table(res: dict) -> str:
                f"{json.dumps(res['dequant_vs_harness'])}")]  # fmt: skip
     lines += [f"launch failed: {x}" for x in failed]
     if res.get("goal"):
-        lines += fa2.lines(res, res["goal"])
+        lines += goal.lines(res, res["goal"])
     return "\n".join(lines) + "\n"
 
 
@@ -616,12 +616,12 @@ def main() -> int:
     env = tqlib.use_tree(args.tree)
     import vllm.v1.attention.ops.triton_turboquant_grouped_decode as gd
 
-    env.gd, env.out, env.hk, env.fa2 = gd, out, HK, None
+    env.gd, env.out, env.hk, env.fa2_ms = gd, out, HK, None
     env.up, env.grouped, files = kernels(args, gd)
     env.flush = torch.empty(bench.FLUSH_BYTES if tqlib.HAS_CUDA else 1 << 20,
                             dtype=torch.uint8, device=tqlib.DEVICE)  # fmt: skip
     if args.fa2:
-        fa2.setup(env)
+        goal.setup(env)
     res = {
         "device": tqlib.device_info(), "tree": str(env.tree), "files": files,
         "kernels": ["up", *env.grouped], "Hk": HK, "block": BLOCK,
