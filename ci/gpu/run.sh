@@ -26,7 +26,8 @@
 #              another grouped decode module beside the tree's ("prev");
 #              SINK_VARIANTS="NAME=FILE ...": more (tq_plane_decode.py's);
 #              SINK_RUNS="NAME:DTYPE ...": these runs instead, each with the
-#              flags in $SINK_NAME (out: sinks_NAME); ACC_BASE as for accuracy
+#              flags in $SINK_NAME and cap SINK_CAP_NAME (default SINK_CAP;
+#              out: sinks_NAME); ACC_BASE as for accuracy
 #   profile    ncu on the grouped decode's stage 1 (PROF_CELL, 32x32768;
 #              PROF_PEER=.peer: vllm#53060's decode kernels too, carry .peer)
 #   upstream   vLLM's own tests of what tq-v0.33 changes, tq33-base against
@@ -148,15 +149,16 @@ part_accuracy() {  # ACC_BASE: v0.33.0's kernel file where tq33-base is not stag
   cat "$OUT"/accuracy/bench_*/tq_decode_table.md "$OUT/accuracy/tq_decode_accuracy.md" 2>/dev/null
 }
 part_sinks() {  # the accuracy suite on trained-model data (issue 51): bf16, then fp16
-  local r d args v more=()
+  local r d args v cap more=()
   for v in ${SINK_PREV:+prev=$SINK_PREV} ${SINK_VARIANTS:-}; do more+=(--variant "$v"); done
   for r in ${SINK_RUNS:-bfloat16:bfloat16 float16:float16}; do
     d=${r#*:} args=${SINK_BF16:-}; [ $d = float16 ] && args=${SINK_FP16:-}
     [ -n "${SINK_RUNS:-}" ] && v="SINK_${r%%:*}" && args=${!v:-}
-    run "sinks_${r%%:*}" "${SINK_CAP:-280}" $PY ci/gpu/tq_decode_accuracy.py \
+    cap="SINK_CAP_${r%%:*}" && cap=${!cap:-${SINK_CAP:-280}}  # a run's own cap
+    run "sinks_${r%%:*}" "$cap" $PY ci/gpu/tq_decode_accuracy.py \
       --tree "$T/tq33-patched" --tree-name patched "${more[@]}" \
       --base-kernel "${ACC_BASE:-$T/tq33-base/vllm/v1/attention/ops/triton_turboquant_decode.py}" \
-      --out "$OUT/sinks_${r%%:*}" --deadline $(( ${SINK_CAP:-280} - 40 )) --dtype $d $args $SMALL_ARG
+      --out "$OUT/sinks_${r%%:*}" --deadline $(( cap - 40 )) --dtype $d $args $SMALL_ARG
     cat "$OUT/sinks_${r%%:*}/tq_decode_accuracy.md" 2>/dev/null
   done
 }

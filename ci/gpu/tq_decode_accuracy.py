@@ -314,6 +314,10 @@ class Cell:
         got = out[self.rows].double()
         diff = got - ref
         return {
+            # which kernels gave the same output bit for bit (``same_lines``)
+            "digest": hashlib.sha1(
+                out.contiguous().view(torch.uint8).cpu().numpy()
+            ).hexdigest()[:16],
             "err": float(diff.norm() / ref.norm()),
             "max_abs": float(diff.abs().max()),
             "bias": float(diff.mean() / diff.pow(2).mean().sqrt().clamp_min(1e-300)),
@@ -433,6 +437,21 @@ def run_cell(env, shape: Shape, num_blocks: int, batch: int, length: int,
     print("  " + brief(row), flush=True)
     del cell
     return row
+
+
+def same_lines(rows: list[dict], names: list[str]) -> list[str]:
+    """For each pair of grouped kernels run on the same cells: in how many
+    their outputs were equal bit for bit."""
+    out = []
+    for i, a in enumerate(names):
+        for b in names[i + 1 :]:
+            both = [r for r in rows if "digest" in r.get(a, {})
+                    and "digest" in r.get(b, {})]  # fmt: skip
+            same = sum(r[a]["digest"] == r[b]["digest"] for r in both)
+            if both:
+                out.append(f"outputs equal bit for bit, {a} and {b}: "
+                           f"{same} of {len(both)} cells")  # fmt: skip
+    return out
 
 
 def brief(row: dict) -> str:
@@ -603,6 +622,7 @@ def table(res: dict) -> str:
               (f"dequant vs tqbatches.dequant (max abs): "
                f"{json.dumps(res['dequant_vs_harness'])}")]  # fmt: skip
     lines += [f"launch failed: {x}" for x in failed]
+    lines += same_lines(res["rows"] + res["sweep"], names[1:])
     if res.get("goal"):
         lines += goal.lines(res, res["goal"])
     return "\n".join(lines) + "\n"

@@ -12,9 +12,15 @@ moved, no value changed); 3-bit keys stay on the suite's slots, as the
 backend keeps them. So both are held to the same float64 reference in one
 process, beside v0.33.0's kernel. (Before 2026-12-03 17:00Z it converted every
 preset's cache: results/soa-pages-2026-12-03/call1's 3-bit rows.)
+
+As ``--variant NAME=ci/gpu/tq_soa_tree.py`` with $TQ_SOA_NAME set to a grouped
+decode module file (a previous patch's), that module's decode on the same
+pages instead of the tree's (``configure``).
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 import tqharness as h
@@ -26,6 +32,18 @@ grouped_decode_num_splits = gd.grouped_decode_num_splits
 grouped_decode_in_registers = gd.grouped_decode_in_registers
 CONVERTS_CACHE = True  # the suite's memory: a copy of each cache
 _CONVERTED: dict = {}
+
+
+def configure(name: str) -> None:
+    """The suite's hook for ``--variant NAME=...``: the module file
+    $TQ_SOA_NAME's grouped decode, where set, instead of the tree's."""
+    global gd, _config, grouped_decode_num_splits, grouped_decode_in_registers
+    path = os.environ.get(f"TQ_SOA_{name}")
+    if path:
+        gd = tqlib.load_module(f"tq_soa_tree_{name}", path)
+        _config = gd._config
+        grouped_decode_num_splits = gd.grouped_decode_num_splits
+        grouped_decode_in_registers = gd.grouped_decode_in_registers
 
 
 def triton_turboquant_grouped_decode_attention(
