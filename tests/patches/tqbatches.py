@@ -38,6 +38,12 @@ pad_reqs=0)``
 ``decode_kernels(impl, layer, batch, splits, pad=0)``
     The tree's decode kernels on the batch's cache (v0.33.0's and the
     grouped one, ``splits`` splits), ``pad`` rows of no tokens appended.
+``stage1_launches()`` / ``decode_step(backend)`` / ``decode_errors(backend)``
+    The grouped decode's stage-1 launches while open ("first", "regs"); a
+    decode step through ``forward``: its launches, output and reference;
+    a step's grouped decode and v0.33.0's kernel: their largest errors.
+``env_cases(shapes)``
+    A test parametrized by (preset, query dtype) for its ``env`` fixture.
 ``half_ulp(dtype, x)``
     The rounding of a correctly rounded output of ``dtype`` near max |x|.
 ``capture_metadata(builder, batch, watch)`` / ``refill(bufs, batch)``
@@ -64,14 +70,17 @@ impl, layer, reqs, over, seed)``
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import math
 import os
 import sys
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 import tqharness as h
 
@@ -763,6 +772,62 @@ def decode_kernels(
         num_kv_splits=splits, mid_o_buf=mid_o_buf, **args
     )
     return old, new
+
+
+class _Recorded:
+    """A Triton kernel whose launches (``kernel[grid]``) are logged by name."""
+
+    def __init__(self, kernel: Any, name: str, log: list[str]) -> None:
+        self.kernel, self.name, self.log = kernel, name, log
+
+    def __getitem__(self, grid: tuple) -> Any:
+        self.log.append(self.name)
+        return self.kernel[grid]
+
+
+@contextlib.contextmanager
+def stage1_launches() -> Iterator[list[str]]:
+    """The grouped decode's stage-1 launches while open: "first", "regs"."""
+    from vllm.v1.attention.ops import triton_turboquant_grouped_decode as gd
+
+    log: list[str] = []
+    with pytest.MonkeyPatch.context() as mp:
+        for attr, name in (("_tq_grouped_decode_stage1", "first"),
+                           ("_tq_grouped_decode_regs_stage1", "regs")):  # fmt: skip
+            mp.setattr(gd, attr, _Recorded(getattr(gd, attr), name, log))
+        yield log
+
+
+def decode_errors(backend: Backend) -> tuple[list[str], float, float]:
+    """A decode step's grouped decode (``decode_kernels``, two splits) and
+    v0.33.0's kernel on the same cache, each against float64 attention over
+    the K/V the cache holds: the stage-1 launches, the grouped decode's
+    largest error and v0.33.0's."""
+    impl, layer, batch = decode_batch(backend, [200, 77, 16], seed=12)
+    want = torch.cat(reference(batch, impl, layer))
+    with stage1_launches() as log:
+        old, new = decode_kernels(impl, layer, batch, splits=2)
+    new_err, old_err = ((x.double().cpu().view_as(want) - want).abs().max().item()
+                        for x in (new, old))  # fmt: skip
+    return log, new_err, old_err
+
+
+def env_cases(shapes: list[tuple[str, torch.dtype]]) -> pytest.MarkDecorator:
+    """A test once for each (preset, query dtype) of ``shapes``, given to its
+    module's ``env`` fixture as ``request.param``."""
+    ids = [f"{p.removeprefix('turboquant_')}-{str(d)[6:]}" for p, d in shapes]
+    return pytest.mark.parametrize("env", shapes, ids=ids, indirect=True)
+
+
+def decode_step(env: Backend) -> tuple[list[str], torch.Tensor, torch.Tensor]:
+    """A decode step of three requests through the backend's forward: the
+    stage-1 kernels it launched, its output and the float64 reference."""
+    impl, layer, batch = decode_batch(env, [200, 77, 16], seed=12)
+    meta = env.builder().build(0, batch.cam)
+    with stage1_launches() as log:
+        out = forward(impl, layer, batch, meta)
+    want = torch.cat(reference(batch, impl, layer))
+    return log, plain(out).double().cpu()[: want.shape[0]], want
 
 
 def half_ulp(dtype: torch.dtype, x: torch.Tensor) -> float:

@@ -79,6 +79,20 @@ def stage1_launch(env: tb.Backend, monkeypatch: pytest.MonkeyPatch) -> dict:
     return call
 
 
+def stage1_config(
+    env: tb.Backend, monkeypatch: pytest.MonkeyPatch, many: bool
+) -> tuple[str, int, int, bool]:
+    """``stage1_launch`` with few programs (32 SMs) or many
+    (``_many_programs``: 2 SMs): (kernel, BLOCK_KV, num_warps, register cap),
+    the kernel's name without ``_tq_grouped_decode_``."""
+    import vllm.v1.attention.ops.triton_turboquant_grouped_decode as gd
+
+    monkeypatch.setattr(gd, "_num_sms", lambda device: 2 if many else 32)
+    call = stage1_launch(env, monkeypatch)
+    kw, kernel = call["kwargs"], call["kernel"].removeprefix("_tq_grouped_decode_")
+    return kernel, kw["BLOCK_KV"], kw.get("num_warps", 4), "maxnreg" in kw
+
+
 def compile_spec(call: dict, asm: str = "ttgir", aligned: bool = False) -> dict:
     """The launch as the child's JSON: kernel, argument types, constexprs, the
     output wanted (``asm``: ttgir, ptx, ...). ``aligned``: the arguments
