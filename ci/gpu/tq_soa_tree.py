@@ -5,11 +5,11 @@ as a variant of the decode accuracy suite:
 The suite writes its caches as slots and runs the tree's launcher on them
 (0010's path: slots are what the launcher reads by default). Where the
 patched backend stores turboquant_soa's pages
-(``grouped_decode_soa_pages``: 4-bit values with FP8 or 4-bit keys), this
-variant runs the same launcher with ``soa_layout=True`` on a copy of the
-cache in that layout (``tqharness.as_soa``: each slot record's bytes
-moved, no value changed); 3-bit keys stay on the suite's slots, as the
-backend keeps them. So both are held to the same float64 reference in one
+(``grouped_decode_soa_pages``: 4-bit values with FP8 or 4-bit keys; from
+0017 with 3-bit keys too), this variant runs the same launcher with
+``soa_layout=True`` on a copy of the cache in that layout
+(``tqharness.as_soa``: each slot record's bytes moved, no value changed);
+the other presets stay on the suite's slots, as the backend keeps them. So both are held to the same float64 reference in one
 process, beside v0.33.0's kernel. (Before 2026-12-03 17:00Z it converted every
 preset's cache: results/soa-pages-2026-12-03/call1's 3-bit rows.)
 

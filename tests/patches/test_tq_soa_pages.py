@@ -15,10 +15,10 @@ with the norms raw (the decode corrects them at load, as on slots).
 The regression test reads a page the backend stored back through both
 layouts' offsets (``tqharness.record_offsets``): on the base it holds
 slots. The others hold the patched tree to the same values: the pages
-hold the slot store's bytes rearranged (raw norms, not folded), 3-bit
-keys keep slots, the grouped decode gives the same bits on SoA pages as
-on slots (both stage-1 kernels, every preset, both query dtypes), and
-the continuation's dequantization of them the same tiles. Where a batch
+hold the slot store's bytes rearranged (raw norms, not folded),
+turboquant_3bit_nc keeps slots, the grouped decode gives the same bits
+on SoA pages as on slots (both stage-1 kernels, every preset, both query
+dtypes), and the continuation's dequantization of them the same tiles. Where a batch
 has many programs at head size 256 the SoA decode takes wider steps (and
 fp16 queries the registers stage 1): its output within twice the
 rounding of the slots'. The backend's batches over these pages are checked
@@ -64,62 +64,15 @@ def env(
     )
 
 
-def stored(env: tb.Backend) -> tuple[Any, Any, tb.Batch, torch.Tensor]:
-    """A batch whose context the backend stored, and the same K/V stored by
-    v0.33.0's slot store into a cache of slots: (impl, layer, batch, slots)."""
-    from vllm.v1.attention.ops.triton_turboquant_store import (
-        triton_turboquant_store,
-    )
-
-    impl = env.impl()
-    layer = env.layer(impl)
-    batch = tb.make_batch(env, impl, layer, REQS, seed=11)
-    s, cfg = env.shape, impl.tq_config
-    slots = h.new_tq_kv_cache(
-        batch.kv_slots.shape[0], s.block, s.hk, s.head, s.preset,
-        generator=torch.Generator().manual_seed(1), device=tb.DEVICE,
-    ).slots  # fmt: skip
-    own = [(sl[: r.cached], k[: r.cached], v[: r.cached])
-           for sl, k, v, r in zip(batch.slots, batch.k_raw, batch.v_raw, REQS)]  # fmt: skip
-    triton_turboquant_store(
-        torch.cat([k for _, k, _ in own]).to(tb.DEVICE),
-        torch.cat([v for _, _, v in own]).to(tb.DEVICE),
-        slots,
-        torch.cat([sl for sl, _, _ in own]).to(tb.DEVICE, torch.int32),
-        layer._tq_PiT,
-        layer._tq_midpoints,
-        mse_bits=cfg.key_mse_bits,
-        key_packed_size=cfg.key_packed_size,
-        value_quant_bits=cfg.effective_value_quant_bits,
-        key_fp8=cfg.key_fp8,
-    )
-    return impl, layer, batch, slots
-
-
-def cached(batch: tb.Batch) -> torch.Tensor:
-    return torch.cat([sl[: r.cached] for sl, r in zip(batch.slots, REQS)])
-
-
-def layout_of(batch: tb.Batch, slots: torch.Tensor, cfg: Any) -> str | None:
-    """Which layout's offsets read the slot store's records back from the
-    batch's pages: "soa", "slots" or None."""
-    ids = cached(batch)
-    want = h.read_records(slots, ids, cfg, soa=False)
-    for name, soa in (("soa", True), ("slots", False)):
-        if torch.equal(h.read_records(batch.kv_slots, ids, cfg, soa), want):
-            return name
-    return None
-
-
 @pytest.mark.bug_signature(AssertionError, SLOTS)
 @pytest.mark.parametrize("env", SOA_PRESETS, indirect=True)
 def test_grouped_decode_pages_are_soa_rows(env: tb.Backend) -> None:
     """The backend's pages, read through turboquant_soa's offsets, hold the
     slot store's records (raw norms): each token's codes one row of key
     and value codes, the fp16 fields in arrays after the page's rows."""
-    impl, _, batch, slots = stored(env)
+    impl, _, batch, slots = tb.slot_twin(env, REQS)
     cfg = impl.tq_config
-    layout = layout_of(batch, slots, cfg)
+    layout = tb.page_layout(batch, slots, cfg, REQS)
     if layout == "slots":
         raise AssertionError(
             f"the grouped decode's KV pages hold slots ({cfg.slot_size}-byte "
@@ -129,12 +82,14 @@ def test_grouped_decode_pages_are_soa_rows(env: tb.Backend) -> None:
     assert layout == "soa", "the backend's pages hold neither layout's records"
 
 
-@pytest.mark.parametrize("env", ["3bit_nc", "k3v4_nc"], indirect=True)
-def test_three_bit_keys_keep_slots(env: tb.Backend) -> None:
-    """3-bit MSE keys, where the grouped decode was slower on SoA pages
-    (0009's byte loads of 3-bit groups), stay in slots."""
-    impl, _, batch, slots = stored(env)
-    assert layout_of(batch, slots, impl.tq_config) == "slots"
+@pytest.mark.parametrize("env", ["3bit_nc"], indirect=True)
+def test_three_bit_values_keep_slots(env: tb.Backend) -> None:
+    """turboquant_3bit_nc, where the grouped decode was slower on SoA pages
+    (0009's byte loads of 3-bit groups; since 0014 its codes load as words
+    either way), stays in slots. (k3v4_nc: from tq-v0.33/0017 on SoA pages,
+    test_tq_k3v4_soa.py.)"""
+    impl, _, batch, slots = tb.slot_twin(env, REQS)
+    assert tb.page_layout(batch, slots, impl.tq_config, REQS) == "slots"
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -146,7 +101,7 @@ def test_soa_decode_matches_slot_decode(env: tb.Backend, dtype: torch.dtype) -> 
         triton_turboquant_grouped_decode_attention as grouped,
     )
 
-    impl, layer, batch, slots = stored(env)
+    impl, layer, batch, slots = tb.slot_twin(env, REQS)
     pages = h.as_soa(slots, impl.tq_config)
     s = env.shape
     q = torch.randn(len(REQS), s.hq, s.head, generator=torch.Generator().manual_seed(3))
@@ -170,7 +125,7 @@ def test_soa_decode_matches_slot_decode(env: tb.Backend, dtype: torch.dtype) -> 
 def test_continuation_dequant_of_soa_pages(env: tb.Backend) -> None:
     """The continuation's tiles (``_dequant_tile``) from SoA pages, the
     norms corrected at load, equal those from the slots."""
-    impl, layer, batch, slots = stored(env)
+    impl, layer, batch, slots = tb.slot_twin(env, REQS)
     s, n = env.shape, REQS[0].cached
     table = batch.cam.block_table_tensor[:1]
     tiles = []

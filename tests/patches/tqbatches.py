@@ -44,6 +44,9 @@ pad_reqs=0)``
     a step's grouped decode and v0.33.0's kernel: their largest errors.
 ``env_cases(shapes)``
     A test parametrized by (preset, query dtype) for its ``env`` fixture.
+``slot_twin(backend, reqs)`` / ``page_layout(batch, slots, cfg, reqs)``
+    A batch whose context the backend stored, beside the same K/V in a cache
+    of slots by v0.33.0's slot store; which layout the backend's pages hold.
 ``half_ulp(dtype, x)``
     The rounding of a correctly rounded output of ``dtype`` near max |x|.
 ``capture_metadata(builder, batch, watch)`` / ``refill(bufs, batch)``
@@ -817,6 +820,53 @@ def env_cases(shapes: list[tuple[str, torch.dtype]]) -> pytest.MarkDecorator:
     module's ``env`` fixture as ``request.param``."""
     ids = [f"{p.removeprefix('turboquant_')}-{str(d)[6:]}" for p, d in shapes]
     return pytest.mark.parametrize("env", shapes, ids=ids, indirect=True)
+
+
+def slot_twin(
+    backend: Backend, reqs: list[Req]
+) -> tuple[Any, Any, Batch, torch.Tensor]:
+    """A batch whose context the backend stored, and the same K/V stored by
+    v0.33.0's slot store into a cache of slots: (impl, layer, batch, slots)."""
+    from vllm.v1.attention.ops.triton_turboquant_store import (
+        triton_turboquant_store,
+    )
+
+    impl = backend.impl()
+    layer = backend.layer(impl)
+    batch = make_batch(backend, impl, layer, reqs, seed=11)
+    s, cfg = backend.shape, impl.tq_config
+    slots = h.new_tq_kv_cache(
+        batch.kv_slots.shape[0], s.block, s.hk, s.head, s.preset,
+        generator=torch.Generator().manual_seed(1), device=DEVICE,
+    ).slots  # fmt: skip
+    own = [(sl[: r.cached], k[: r.cached], v[: r.cached])
+           for sl, k, v, r in zip(batch.slots, batch.k_raw, batch.v_raw, reqs)]  # fmt: skip
+    triton_turboquant_store(
+        torch.cat([k for _, k, _ in own]).to(DEVICE),
+        torch.cat([v for _, _, v in own]).to(DEVICE),
+        slots,
+        torch.cat([sl for sl, _, _ in own]).to(DEVICE, torch.int32),
+        layer._tq_PiT,
+        layer._tq_midpoints,
+        mse_bits=cfg.key_mse_bits,
+        key_packed_size=cfg.key_packed_size,
+        value_quant_bits=cfg.effective_value_quant_bits,
+        key_fp8=cfg.key_fp8,
+    )
+    return impl, layer, batch, slots
+
+
+def page_layout(
+    batch: Batch, slots: torch.Tensor, cfg: Any, reqs: list[Req]
+) -> str | None:
+    """Which layout's offsets read the slot store's records (``slot_twin``)
+    back from the batch's pages: "soa", "slots" or None."""
+    ids = torch.cat([sl[: r.cached] for sl, r in zip(batch.slots, reqs)])
+    want = h.read_records(slots, ids, cfg, soa=False)
+    for name, soa in (("soa", True), ("slots", False)):
+        if torch.equal(h.read_records(batch.kv_slots, ids, cfg, soa), want):
+            return name
+    return None
 
 
 def decode_step(env: Backend) -> tuple[list[str], torch.Tensor, torch.Tensor]:
