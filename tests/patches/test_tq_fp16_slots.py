@@ -21,9 +21,6 @@ v0.33.0's kernel.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from pathlib import Path
-
 import pytest
 import torch
 import tqbatches as tb
@@ -34,16 +31,8 @@ FP16 = torch.float16
 SHAPES = [("turboquant_3bit_nc", FP16), ("turboquant_k3v4_nc", FP16)]
 
 
-@pytest.fixture(scope="module")
-def env(
-    request: pytest.FixtureRequest,
-    vllm_tree: Path,
-    tmp_path_factory: pytest.TempPathFactory,
-) -> Iterator[tb.Backend]:
-    """The tree's backend at head size 128 with 4 query heads a KV head."""
-    preset, dtype = request.param
-    shape = tb.Shape(hq=8, hk=2, head=128, preset=preset, dtype=dtype)
-    yield from tb.backend_fixture(vllm_tree, tmp_path_factory, shape, f"fp16_{preset}")
+# The tree's backend at head size 128 with 4 query heads a KV head.
+env = tb.cases_fixture("fp16", hq=8, hk=2, head=128)
 
 
 @pytest.mark.bug_signature(AssertionError, FIRST)

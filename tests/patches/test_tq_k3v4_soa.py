@@ -23,9 +23,6 @@ cache holds at most 1.25x v0.33.0's kernel's on the same cache.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from pathlib import Path
-
 import pytest
 import torch
 import tqbatches as tb
@@ -35,18 +32,8 @@ SHAPES = [("turboquant_k3v4_nc", torch.bfloat16), ("turboquant_k3v4_nc", torch.f
 REQS = [tb.Req(40, 1), tb.Req(23, 1)]
 
 
-@pytest.fixture(scope="module")
-def env(
-    request: pytest.FixtureRequest,
-    vllm_tree: Path,
-    tmp_path_factory: pytest.TempPathFactory,
-) -> Iterator[tb.Backend]:
-    """The tree's backend at head size 64 with 4 query heads a KV head."""
-    preset, dtype = request.param
-    shape = tb.Shape(hq=8, hk=2, head=64, preset=preset, dtype=dtype)
-    yield from tb.backend_fixture(
-        vllm_tree, tmp_path_factory, shape, f"k3v4_soa_{str(dtype)[6:]}"
-    )
+# The tree's backend at head size 64 with 4 query heads a KV head.
+env = tb.cases_fixture("k3v4_soa", hq=8, hk=2, head=64)
 
 
 @pytest.mark.bug_signature(AssertionError, SLOTS)

@@ -23,9 +23,6 @@ attention over the K/V the cache holds, beside v0.33.0's kernel.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from pathlib import Path
-
 import pytest
 import torch
 import tqbatches as tb
@@ -39,17 +36,8 @@ TWO_WARPS = [("turboquant_3bit_nc", BF16), ("turboquant_k3v4_nc", BF16),
 KEPT = [("turboquant_4bit_nc", BF16), ("turboquant_3bit_nc", FP16)]
 
 
-@pytest.fixture(scope="module")
-def env(
-    request: pytest.FixtureRequest,
-    vllm_tree: Path,
-    tmp_path_factory: pytest.TempPathFactory,
-) -> Iterator[tb.Backend]:
-    """The tree's backend at head size 256 with 16 query heads a KV head."""
-    preset, dtype = request.param
-    shape = tb.Shape(hq=16, hk=1, head=256, preset=preset, dtype=dtype)
-    name = f"two_warps_{preset}_{str(dtype)[6:]}"
-    yield from tb.backend_fixture(vllm_tree, tmp_path_factory, shape, name)
+# The tree's backend at head size 256 with 16 query heads a KV head.
+env = tb.cases_fixture("two_warps", hq=16, hk=1, head=256)
 
 
 @pytest.mark.bug_signature(AssertionError, FIRST)

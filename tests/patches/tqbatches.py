@@ -42,8 +42,9 @@ pad_reqs=0)``
     The grouped decode's stage-1 launches while open ("first", "regs"); a
     decode step through ``forward``: its launches, output and reference;
     a step's grouped decode and v0.33.0's kernel: their largest errors.
-``env_cases(shapes)``
-    A test parametrized by (preset, query dtype) for its ``env`` fixture.
+``env_cases(shapes)`` / ``cases_fixture(name, hq, hk, head)``
+    A test parametrized by (preset, query dtype) for its ``env`` fixture,
+    and that fixture: the tree's backend at one shape for each case.
 ``slot_twin(backend, reqs)`` / ``page_layout(batch, slots, cfg, reqs)``
     A batch whose context the backend stored, beside the same K/V in a cache
     of slots by v0.33.0's slot store; which layout the backend's pages hold.
@@ -820,6 +821,22 @@ def env_cases(shapes: list[tuple[str, torch.dtype]]) -> pytest.MarkDecorator:
     module's ``env`` fixture as ``request.param``."""
     ids = [f"{p.removeprefix('turboquant_')}-{str(d)[6:]}" for p, d in shapes]
     return pytest.mark.parametrize("env", shapes, ids=ids, indirect=True)
+
+
+def cases_fixture(name: str, hq: int, hk: int, head: int) -> Any:
+    """A module's ``env`` fixture for ``env_cases``: the tree's backend with
+    ``hq`` query and ``hk`` KV heads of size ``head``, for each (preset,
+    query dtype). Use: ``env = tb.cases_fixture("name", hq=8, hk=2, head=64)``."""
+
+    def env(
+        request: pytest.FixtureRequest, vllm_tree: Path, tmp_path_factory: Any
+    ) -> Iterator[Backend]:
+        preset, dtype = request.param
+        shape = Shape(hq=hq, hk=hk, head=head, preset=preset, dtype=dtype)
+        folder = f"{name}_{preset}_{str(dtype)[6:]}"
+        yield from backend_fixture(vllm_tree, tmp_path_factory, shape, folder)
+
+    return pytest.fixture(scope="module", name="env")(env)
 
 
 def slot_twin(
