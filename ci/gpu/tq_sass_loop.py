@@ -5,10 +5,11 @@ launcher marks them on a GPU; without that every code byte is its own load).
 
     python ci/gpu/tq_sass_loop.py MODULE_FILE --tree TREE \\
         [--preset 4bit_nc] [--dim 256] [--gqa 4] [--dtype bf16] \\
-        [--tokens 16] [--warps 1] [--cap 0] [--slots]
+        [--tokens 16] [--warps 1] [--stages 1] [--cap 0] [--slots]
 
 Prints registers, stack bytes (spills), the loop's instruction count, per
-(token, KV head), and its opcodes by count. MODULE_FILE: a grouped decode
+(token, KV head), its asynchronous copies (LDGSTS: Triton's pipelining,
+``--stages`` above 1) and its opcodes by count. MODULE_FILE: a grouped decode
 module (the tree's, or a candidate); TREE: the vLLM source tree it imports
 (centroids)."""
 
@@ -76,7 +77,7 @@ def compiled(gd, a: argparse.Namespace):
                     constexprs={(fn.arg_names.index(k),): v for k, v in const.items()},
                     attrs={(fn.arg_names.index(n),): [["tt.divisibility", 16]]
                            for n in aligned})  # fmt: skip
-    options = {"num_warps": a.warps, "num_stages": 1}
+    options = {"num_warps": a.warps, "num_stages": a.stages}
     if a.cap:
         options["maxnreg"] = a.cap
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
@@ -102,6 +103,7 @@ def main() -> int:
     ap.add_argument("--dtype", default="bf16", choices=("bf16", "fp16"))
     ap.add_argument("--tokens", type=int, default=16)
     ap.add_argument("--warps", type=int, default=1)
+    ap.add_argument("--stages", type=int, default=1, help="Triton's num_stages")
     ap.add_argument("--cap", type=int, default=0, help="maxnreg (0: none)")
     ap.add_argument("--slots", action="store_true", help="slots, not SoA pages")
     a = ap.parse_args()
@@ -127,7 +129,8 @@ def main() -> int:
     regs, stack = re.search(r"REG:(\d+)", usage)[1], re.search(r"STACK:(\d+)", usage)[1]
     print(
         f"registers {regs}, stack {stack} B, loop {len(body)} instructions, "
-        f"{len(body) * a.warps / a.tokens:.1f} a (token, KV head)"
+        f"{len(body) * a.warps / a.tokens:.1f} a (token, KV head), "
+        f"{ops['LDGSTS']} asynchronous copies"
     )
     print(" ".join(f"{op}:{n}" for op, n in ops.most_common(20)))
     return 0
