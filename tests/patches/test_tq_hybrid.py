@@ -1139,6 +1139,25 @@ def small_hybrid() -> Any:
     )
 
 
+def test_runner_specs_from_model_runner_v2(engine_env, monkeypatch, tmp_path):
+    """Where a tree has no V1 GPU model runner (v0.34.0 removed
+    ``vllm/v1/worker/gpu_model_runner.py``), the harness takes the layers'
+    KV cache specs from model runner V2's ``attn_utils.get_kv_cache_spec``:
+    on this tree, which has both, V2's specs are V1's for a hybrid with a
+    skip layer."""
+    if h.v1_gpu_runner() is None:
+        pytest.skip("the tree has model runner V2 alone: nothing to compare")
+    make_config, expected = HYBRIDS["qwen3_5_9b"]
+    vllm_config = hybrid_engine_config(
+        make_config(), tmp_path, skip_layers=[str(expected[0])]
+    )
+    build_attention_layers(vllm_config, expected, monkeypatch)
+    v1 = h.runner_kv_cache_specs(vllm_config)
+    monkeypatch.setitem(sys.modules, "vllm.v1.worker.gpu_model_runner", None)
+    assert h.v1_gpu_runner() is None
+    assert h.runner_kv_cache_specs(vllm_config) == v1
+
+
 @pytest.mark.bug_signature(ValueError, AUTO_DTYPE)
 @pytest.mark.bug_signature(NotImplementedError, GATE)
 @pytest.mark.parametrize("model", ["hybrid", "dense"])

@@ -375,14 +375,30 @@ def build_tq_attention(
         )
 
 
-def runner_kv_cache_specs(vllm_config: Any) -> dict[str, Any]:
-    """The KV cache specs the tree's V1 model runner makes of the layers
-    registered in ``vllm_config`` (``GPUModelRunner.get_kv_cache_spec``, called
-    on a runner object holding only what it reads): each layer's own spec plus
-    what the runner adds, e.g. ``indexes_kv_by_block_stride`` from the backend
-    (v0.24.0-v0.28.0) or the backend's ``customize_spec`` (v0.28.0+)."""
-    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+def v1_gpu_runner() -> Any:
+    """The tree's V1 ``GPUModelRunner``, or None where the tree has only
+    model runner V2 (``vllm/v1/worker/gpu/``, v0.34.0+)."""
+    try:
+        from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+    except ModuleNotFoundError as e:
+        if e.name != "vllm.v1.worker.gpu_model_runner":
+            raise
+        return None
+    return GPUModelRunner
 
+
+def runner_kv_cache_specs(vllm_config: Any) -> dict[str, Any]:
+    """The KV cache specs the tree's GPU model runner makes of the layers
+    registered in ``vllm_config`` (V1: ``GPUModelRunner.get_kv_cache_spec``,
+    called on a runner object holding only what it reads; V2 alone, v0.34.0+:
+    ``attn_utils.get_kv_cache_spec``): each layer's own spec plus what the
+    runner adds, e.g. ``indexes_kv_by_block_stride`` from the backend
+    (v0.24.0-v0.28.0) or the backend's ``customize_spec`` (v0.28.0+)."""
+    GPUModelRunner = v1_gpu_runner()
+    if GPUModelRunner is None:
+        from vllm.v1.worker.gpu.attn_utils import get_kv_cache_spec
+
+        return get_kv_cache_spec(vllm_config)
     runner = object.__new__(GPUModelRunner)
     runner.__dict__.update(vllm_config=vllm_config, shared_kv_cache_layers={})
     return GPUModelRunner.get_kv_cache_spec(runner)
@@ -1015,8 +1031,9 @@ def runner_kv_caches(
     attention layer names to their backend; kernel block sizes come from the
     tree's ``prepare_kernel_block_sizes``, as in ``initialize_kv_cache``."""
     from vllm.config import set_current_vllm_config
-    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
     from vllm.v1.worker.utils import AttentionGroup, prepare_kernel_block_sizes
+
+    GPUModelRunner = v1_gpu_runner()
 
     group_fields = {f.name for f in dataclasses.fields(AttentionGroup)}
     attn_groups = []
