@@ -140,6 +140,7 @@ import inspect
 import itertools
 import json
 import math
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -214,6 +215,19 @@ def real(func: Any) -> Any:
     return getattr(func, "__wrapped__", func)
 
 
+def rebind_current_platform(new: Any, setattr: Any) -> None:
+    """Point every vLLM module's ``current_platform`` (``from vllm.platforms
+    import current_platform``, bound when the module is first imported,
+    maybe under an earlier test's platform) at ``new``, as in a fresh
+    process. Without it, state an earlier test left on its platform reached
+    the next: on v0.34.0 a hybrid's KV cache plan after UltraQuant's tests
+    failed with "Failed to promote local KV cache specs"."""
+    for name, module in list(sys.modules.items()):
+        held = getattr(module, "__dict__", {}).get("current_platform")
+        if name.startswith("vllm") and held is not None and held is not new:
+            setattr(module, "current_platform", new)
+
+
 def install_platform(tree: Path, setattr: Any = setattr) -> Any:
     """Install vLLM's platform for the source tree ``tree`` as
     ``current_platform`` (an uninstalled tree detects none: detection reads
@@ -240,6 +254,7 @@ def install_platform(tree: Path, setattr: Any = setattr) -> Any:
                 setattr(torch.cpu, probe, lambda: False)
     platform = Platform()
     setattr(platforms, "_current_platform", platform)
+    rebind_current_platform(platform, setattr)
     if Platform.__name__ == "CpuPlatform":
         stand_in_for_cuda(tree, setattr)
     if torch.accelerator.current_accelerator() is None:
