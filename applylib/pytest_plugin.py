@@ -30,7 +30,9 @@ message, a timeout) is ``error``: it cannot tell. A test without a
 signature is ``fail`` when an assertion fails (``AssertionError`` or
 ``pytest.fail``) and ``error`` for any other exception. A skip is
 ``skip``; the property ``skip=device`` marks a skip for a device the test
-is not for (marker ``gpu`` without CUDA, marker ``cpu_only`` with CUDA).
+is not for (marker ``gpu`` without CUDA, marker ``cpu_only`` with CUDA),
+``skip=tree`` one for a tree it is not for (marker ``some_trees``: it
+compares what only some vLLM trees have). Neither is a missing verdict.
 """
 
 from __future__ import annotations
@@ -183,7 +185,9 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
     if rep.skipped:
         msg = rep.longrepr[2] if isinstance(rep.longrepr, tuple) else str(rep.longrepr)
         got = {"verdict": "skip", "reason": msg.removeprefix("Skipped: ")[:300]}
-        if device_skip(item):
+        if item.get_closest_marker("some_trees"):
+            got["skip"] = "tree"
+        elif device_skip(item):
             got["skip"] = "device"
     elif rep.failed:
         exc = call.excinfo.value if call.excinfo else None

@@ -40,8 +40,8 @@ class Outcome:
     reason: str = ""
     seconds: float = 0.0
     passed: int = 0
-    skipped: int = 0  # skips other than for a device the test is not for
-    device_skipped: int = 0
+    skipped: int = 0  # skips other than for a device or tree the test is not for
+    device_skipped: int = 0  # skips for a device or tree the test is not for
     asserted: int = 0  # cases whose own checks failed: what kills a mutant
 
     def to_json(self) -> dict:
@@ -61,8 +61,8 @@ RANK = {"error": 3, "fail": 2, "skip": 1, "pass": 0}
 def aggregate(outcomes: list[Outcome]) -> Outcome:
     """One outcome for several: the worst verdict (error > fail > skip >
     pass) with its reason, counts and seconds summed. Skips for a device
-    the test is not for do not turn a pass into a skip; cases that all
-    skipped are a skip."""
+    or tree the test is not for do not turn a pass into a skip; cases that
+    all skipped are a skip."""
     if not outcomes:
         return Outcome("skip", "no test")
     worst = max(outcomes, key=lambda o: RANK[o.verdict])
@@ -250,7 +250,7 @@ def case_outcome(tc) -> Outcome:
     o.asserted = int(verdict == "fail" or props.get("assertion") == "1")
     if verdict == "pass":
         o.passed = 1
-    elif verdict == "skip" and props.get("skip") == "device":
+    elif verdict == "skip" and props.get("skip") in ("device", "tree"):
         o.verdict, o.device_skipped = "pass", 1
     elif verdict == "skip":
         o.skipped = 1

@@ -96,6 +96,11 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
         "markers", "no_tree: needs no vLLM tree; runs without VLLM_TREE too"
     )
+    config.addinivalue_line(
+        "markers",
+        "some_trees: compares what only some vLLM trees have; its skip "
+        "elsewhere is not a missing verdict",
+    )
 
 
 def pytest_collection_modifyitems(

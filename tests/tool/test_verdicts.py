@@ -104,6 +104,28 @@ def test_skipped_regression_test_is_not_a_pass(fx: Fixture) -> None:
     }
 
 
+@pytest.mark.parametrize("marked", [True, False])
+def test_skip_for_another_tree_is_not_a_missing_verdict(
+    fx: Fixture, marked: bool
+) -> None:
+    """A patch's other test that compares what only some trees have
+    (marker ``some_trees``) and skips on this one leaves the patch's tests a
+    pass; an unmarked skip leaves them a skip, and the run is not OK."""
+    standard_stack(fx)
+    mark = "@pytest.mark.some_trees\n" if marked else ""
+    tests = fx.project / "tests" / "patches" / "test_add.py"
+    tests.write_text(
+        tests.read_text()
+        + f'\n\n{mark}def test_old_api():\n    pytest.skip("no old API here")\n'
+    )
+    p, r = run_main(fx)
+    add = r["fx/0001-fix-add.patch"]
+    assert add["regression"] == {"base": "fail", "patched": "pass"}
+    assert add["tests"] == ("pass" if marked else "skip")
+    assert add["skipped"] == 1
+    assert p.returncode == (0 if marked else 1), p.stdout
+
+
 def test_patch_judged_at_its_position(fx: Fixture) -> None:
     """0002 fixes a function 0001 introduces: its regression test cannot even
     run on the bare base, and fails with its signature on base + 0001. The
