@@ -24,7 +24,8 @@ ci/gpu/tqlib.py):
     the tree has its compiled extensions and a GPU is there), installed as
     ``current_platform``; a CPU-only torch gets a no-op ``empty_cache``.
     CpuPlatform stands for CUDA where the tree gates a kernel on CUDA
-    (``stand_in_for_cuda``).
+    (``stand_in_for_cuda``). Every vLLM module already imported is pointed
+    at it (``rebind_current_platform``), as in a fresh process.
 ``write_tiny_model(path, ...)``
     A local HF ``config.json`` (Qwen3 architecture, no weights).
 ``make_vllm_config(model_dir, preset=..., block_size=..., max_model_len=...)``
@@ -71,6 +72,9 @@ vllm_config)``
     makes them (its own ``get_kv_cache_spec``: what the backend adds to a
     layer's spec, e.g. ``indexes_kv_by_block_stride`` or ``customize_spec``,
     comes with it).
+``v1_gpu_runner()``
+    The tree's V1 ``GPUModelRunner``, or None where only model runner V2 is
+    left (v0.34.0+); the two helpers above then use V2's ``attn_utils``.
 ``is_turboquant_spec(spec)``
     TurboQuant layer spec: ``TQFullAttentionSpec`` (up to v0.27.x) or a spec
     whose ``kv_quant_mode`` is a TurboQuant mode (v0.28.0+).
