@@ -162,14 +162,19 @@ def classify_failure(item: pytest.Item, exc: BaseException) -> dict[str, str]:
     return {"verdict": "error", "reason": reason}
 
 
-def device_skip(item: pytest.Item) -> bool:
+def not_for_here(item: pytest.Item) -> str | None:
+    """``"tree"`` or ``"device"`` where the test's skip is for a tree or a
+    device it is not for (markers ``some_trees``, ``gpu``, ``cpu_only``),
+    else None."""
+    if item.get_closest_marker("some_trees"):
+        return "tree"
     gpu, cpu = item.get_closest_marker("gpu"), item.get_closest_marker("cpu_only")
     if not gpu and not cpu:
-        return False
+        return None
     import torch
 
     cuda = torch.cuda.is_available()
-    return bool((gpu and not cuda) or (cpu and cuda))
+    return "device" if (gpu and not cuda) or (cpu and cuda) else None
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -185,10 +190,9 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
     if rep.skipped:
         msg = rep.longrepr[2] if isinstance(rep.longrepr, tuple) else str(rep.longrepr)
         got = {"verdict": "skip", "reason": msg.removeprefix("Skipped: ")[:300]}
-        if item.get_closest_marker("some_trees"):
-            got["skip"] = "tree"
-        elif device_skip(item):
-            got["skip"] = "device"
+        where = not_for_here(item)
+        if where:
+            got["skip"] = where
     elif rep.failed:
         exc = call.excinfo.value if call.excinfo else None
         if rep.when == "call" and exc is not None:

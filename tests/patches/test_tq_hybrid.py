@@ -842,9 +842,9 @@ SKIP_UNPADDABLE = (
     r"cannot be padded"
 )
 CAPACITY_BUDGET = 4 * 2**30  # bytes
+CAPACITY_SEQS = 8  # running sequences
 # vLLM's refusal when one request of the model's length does not fit.
 MAX_LEN_REFUSAL = "To serve at least one request with the model's max seq len"
-CAPACITY_SEQS = 8  # running sequences
 
 
 def page_plan(specs: dict, groups: list) -> dict[str, Any]:
@@ -990,7 +990,9 @@ def test_hybrid_skip_layers_keep_page_bytes(
         kv_cache_dtype=preset,
         skip_layers=[str(i) for i in skipped],
     )
-    tokens, _, specs, backends = capacity(vllm_config, monkeypatch, True)
+    tokens, _, specs, backends = capacity(
+        vllm_config, monkeypatch, refusal_fits_none=True
+    )
     plan = page_plan(specs, grouped(vllm_config, specs, raise_errors=False))
     bf16_config = engine_config(make_config(), tmp_path / "bf16", kv_cache_dtype="auto")
     with monkeypatch.context() as patch:
