@@ -29,7 +29,9 @@
 #              flags in $SINK_NAME and cap SINK_CAP_NAME (default SINK_CAP;
 #              out: sinks_NAME); ACC_BASE as for accuracy
 #   profile    ncu on the grouped decode's stage 1 (PROF_CELL, 32x32768;
-#              PROF_PEER=.peer: vllm#53060's decode kernels too, carry .peer)
+#              PROF_PEER=.peer: vllm#53060's decode kernels too, carry .peer);
+#              PROF_RUNS="NAME:PRESET:D:GQA ...": the registers stage 1 as
+#              served instead (profile_regs; TQ_SOA_NAME=FILE: a candidate)
 #   upstream   vLLM's own tests of what tq-v0.33 changes, tq33-base against
 #              tq33-patched (upstream_tests.py; UP_TESTS: v0.33.0's tests/
 #              as a tarball, results/upstream-2026-11-29/README.md)
@@ -166,6 +168,7 @@ part_profile() {  # ncu's details page and SASS opcode mix into $OUT/profile.tar
   local P=$W/profile p k n ncu
   ncu=$(command -v ncu || echo /usr/local/cuda/bin/ncu)
   mkdir -p "$P"
+  [ -n "${PROF_RUNS:-}" ] && { profile_regs "$P" "$ncu"; return; }
   # PRESET:KERNEL: 0009's stage 1 (new), with PROF_PEER=.peer vllm#53060's too
   for p in 4bit_nc:new k8v4:new ${PROF_PEER:+4bit_nc:peer 4bit_nc:peer_mma}; do
     k=${p#*:} n=prof_${p%%:*}
@@ -181,6 +184,25 @@ part_profile() {  # ncu's details page and SASS opcode mix into $OUT/profile.tar
     grep -E "Duration|DRAM Throughput|Registers Per|Theoretical Occupancy|Eligible Warps|Instructions Executed" "$P/$n.txt"
   done
   tar -C "$P" -czf "$OUT/profile.tar.gz" --exclude='*.ncu-rep' .
+}
+profile_regs() {  # PROF_RUNS="NAME:PRESET:D:GQA ...": the registers stage 1
+  # as served (the suite's tree variant: SoA pages where the backend stores
+  # them; $TQ_SOA_NAME: that module instead of the tree's), its first launch
+  local P=$1 ncu=$2 r name pre d g n
+  for r in $PROF_RUNS; do
+    IFS=: read -r name pre d g <<< "$r"
+    n=prof_${name}_${pre}_d${d}_g$g
+    run $n "${PROF_CAP:-120}" $ncu -k regex:_tq_grouped_decode_regs_stage1 -s 0 -c 1 \
+      --set full --import-source no -f -o "$P/$n" $PY ci/gpu/tq_decode_accuracy.py \
+      --tree "$T/tq33-patched" --tree-name "$name" --tree-variant ci/gpu/tq_soa_tree.py \
+      --base-kernel "${ACC_BASE:-$T/tq33-base/vllm/v1/attention/ops/triton_turboquant_decode.py}" \
+      --presets "$pre" --dims "$d" --gqa "$g" --cells "${PROF_CELL:-32x32768}" \
+      --sweep none --reps 1 --data sink:small --out "$W/$n" $SMALL_ARG
+    $ncu --import "$P/$n.ncu-rep" --page details --print-details all > "$P/$n.txt" 2>&1
+    $ncu --import "$P/$n.ncu-rep" --page source --print-source sass --csv > "$P/$n.sass.csv" 2>&1
+    $PY ci/gpu/ncu_sass_mix.py "$P/$n.sass.csv" 2>&1 | tee "$P/$n.mix.txt"
+    grep -E "Duration|Registers Per|Achieved Occupancy|Eligible Warps|Issued Ipc|Stall|Pipe" "$P/$n.txt"
+  done
 }
 part_upstream() {  # apply.py upstream's comparison, where the GPU tests run
   run upstream "${UP_CAP:-500}" $PY ci/gpu/upstream_tests.py --stack tq-v0.33 \

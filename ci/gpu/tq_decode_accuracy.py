@@ -130,6 +130,8 @@ def kernels(args, gd: ModuleType) -> tuple[ModuleType, dict, dict]:
     if args.tree_variant:  # e.g. the tree's decode on the pages its backend stores
         gd = tqlib.load_module("tq_accuracy_tree", args.tree_variant)
         files[args.tree_name].append(args.tree_variant)
+        if hasattr(gd, "configure"):  # tq_soa_tree.py: $TQ_SOA_<tree name>
+            gd.configure(args.tree_name)
     grouped = {args.tree_name: gd}
     for spec in args.variant:
         name, path = spec.split("=", 1)
