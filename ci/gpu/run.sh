@@ -48,6 +48,8 @@ parts=${1:-cudagraph,bench,tests}
 deadline=$(( $(date +%s) + ${2:-570} ))
 OUT=${OUT:-/tmp/gpu-out} W=/tmp/gpuwork T=/tmp/trees PY=${PY:-python3}
 SMALL_ARG=${SMALL:+--small}
+# v0.33.0's decode kernel, the suite's baseline (a file where tq33-base is not staged)
+ACC_BASE=${ACC_BASE:-$T/tq33-base/vllm/v1/attention/ops/triton_turboquant_decode.py}
 rm -rf "$W"; mkdir -p "$OUT" "$W" "$T"
 exec > >(tee -a "$OUT/run.log") 2>&1
 export PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1 PYTHONPATH=/tmp/site
@@ -139,7 +141,7 @@ part_decode() {
 part_accuracy() {  # ACC_BASE: v0.33.0's kernel file where tq33-base is not staged
   local cap=${ACC_CAP:-360} bcap=${ACC_BENCH_CAP:-100} t
   run accuracy "$cap" $PY ci/gpu/tq_decode_accuracy.py --tree "$T/tq33-patched" \
-    --base-kernel "${ACC_BASE:-$T/tq33-base/vllm/v1/attention/ops/triton_turboquant_decode.py}" \
+    --base-kernel "$ACC_BASE" \
     --out "$OUT/accuracy" --deadline $(( cap - 60 )) ${ACC_ARGS:-} $SMALL_ARG
   cp "$W/accuracy.log" "$OUT/accuracy/" 2>/dev/null
   for t in ${ACC_BENCH_TREES-tq33-patched}; do
@@ -159,17 +161,25 @@ part_sinks() {  # the accuracy suite on trained-model data (issue 51): bf16, the
     cap="SINK_CAP_${r%%:*}" && cap=${!cap:-${SINK_CAP:-280}}  # a run's own cap
     run "sinks_${r%%:*}" "$cap" $PY ci/gpu/tq_decode_accuracy.py \
       --tree "$T/tq33-patched" --tree-name patched "${more[@]}" \
-      --base-kernel "${ACC_BASE:-$T/tq33-base/vllm/v1/attention/ops/triton_turboquant_decode.py}" \
+      --base-kernel "$ACC_BASE" \
       --out "$OUT/sinks_${r%%:*}" --deadline $(( cap - 40 )) --dtype $d $args $SMALL_ARG
     cat "$OUT/sinks_${r%%:*}/tq_decode_accuracy.md" 2>/dev/null
   done
 }
+ncu_pages() {  # DIR NAME NCU: NAME.ncu-rep's details page, SASS and opcode mix
+  $3 --import "$1/$2.ncu-rep" --page details --print-details all > "$1/$2.txt" 2>&1
+  $3 --import "$1/$2.ncu-rep" --page source --print-source sass --csv > "$1/$2.sass.csv" 2>&1
+  $PY ci/gpu/ncu_sass_mix.py "$1/$2.sass.csv" 2>&1 | tee "$1/$2.mix.txt"
+}
 part_profile() {  # ncu's details page and SASS opcode mix into $OUT/profile.tar.gz
-  local P=$W/profile p k n ncu
+  local P=$W/profile ncu
   ncu=$(command -v ncu || echo /usr/local/cuda/bin/ncu)
   mkdir -p "$P"
-  [ -n "${PROF_RUNS:-}" ] && { profile_regs "$P" "$ncu"; return; }
-  # PRESET:KERNEL: 0009's stage 1 (new), with PROF_PEER=.peer vllm#53060's too
+  if [ -n "${PROF_RUNS:-}" ]; then profile_regs "$P" "$ncu"; else profile_stage1 "$P" "$ncu"; fi
+  tar -C "$P" -czf "$OUT/profile.tar.gz" --exclude='*.ncu-rep' .
+}
+profile_stage1() {  # PRESET:KERNEL: 0009's stage 1 (new), PROF_PEER=.peer: vllm#53060's too
+  local P=$1 ncu=$2 p k n
   for p in 4bit_nc:new k8v4:new ${PROF_PEER:+4bit_nc:peer 4bit_nc:peer_mma}; do
     k=${p#*:} n=prof_${p%%:*}
     [ "$k" = new ] || n=prof_$k
@@ -178,12 +188,9 @@ part_profile() {  # ncu's details page and SASS opcode mix into $OUT/profile.tar
       --import-source no -f -o "$P/$n" $PY ci/gpu/tq_decode_profile.py \
       --tree "$T/tq33-patched" --preset turboquant_${p%%:*} --cell "${PROF_CELL:-32x32768}" \
       --kernel "$k" ${PROF_PEER:+--peer $PROF_PEER}
-    $ncu --import "$P/$n.ncu-rep" --page details --print-details all > "$P/$n.txt" 2>&1
-    $ncu --import "$P/$n.ncu-rep" --page source --print-source sass --csv > "$P/$n.sass.csv" 2>&1
-    $PY ci/gpu/ncu_sass_mix.py "$P/$n.sass.csv" 2>&1 | tee "$P/$n.mix.txt"
+    ncu_pages "$P" "$n" "$ncu"
     grep -E "Duration|DRAM Throughput|Registers Per|Theoretical Occupancy|Eligible Warps|Instructions Executed" "$P/$n.txt"
   done
-  tar -C "$P" -czf "$OUT/profile.tar.gz" --exclude='*.ncu-rep' .
 }
 profile_regs() {  # PROF_RUNS="NAME:PRESET:D:GQA ...": the registers stage 1
   # as served (the suite's tree variant: SoA pages where the backend stores
@@ -195,12 +202,10 @@ profile_regs() {  # PROF_RUNS="NAME:PRESET:D:GQA ...": the registers stage 1
     run $n "${PROF_CAP:-120}" $ncu -k regex:_tq_grouped_decode_regs_stage1 -s 0 -c 1 \
       --set full --import-source no -f -o "$P/$n" $PY ci/gpu/tq_decode_accuracy.py \
       --tree "$T/tq33-patched" --tree-name "$name" --tree-variant ci/gpu/tq_soa_tree.py \
-      --base-kernel "${ACC_BASE:-$T/tq33-base/vllm/v1/attention/ops/triton_turboquant_decode.py}" \
+      --base-kernel "$ACC_BASE" \
       --presets "$pre" --dims "$d" --gqa "$g" --cells "${PROF_CELL:-32x32768}" \
       --sweep none --reps 1 --data sink:small --out "$W/$n" $SMALL_ARG
-    $ncu --import "$P/$n.ncu-rep" --page details --print-details all > "$P/$n.txt" 2>&1
-    $ncu --import "$P/$n.ncu-rep" --page source --print-source sass --csv > "$P/$n.sass.csv" 2>&1
-    $PY ci/gpu/ncu_sass_mix.py "$P/$n.sass.csv" 2>&1 | tee "$P/$n.mix.txt"
+    ncu_pages "$P" "$n" "$ncu"
     grep -E "Duration|Registers Per|Achieved Occupancy|Eligible Warps|Issued Ipc|Stall|Pipe" "$P/$n.txt"
   done
 }
