@@ -23,7 +23,8 @@ at forced split counts on one cell (tokens per split from L to L / 128).
 
     python ci/gpu/tq_decode_accuracy.py --tree T --base-kernel F \\
         [--variant fixed=F ...] --out DIR [--presets 4bit_nc,k8v4] \\
-        [--dims 128,256] [--gqa 4,16] [--cells 8x131072,...] [--small]
+        [--dims 128,256] [--gqa 4,16] [--cells 8x131072,...] [--small] \\
+        [--ragged]
 
 Writes DIR/tq_decode_accuracy.json (after every shape) and
 DIR/tq_decode_accuracy.md (printed last). --small: CPU shapes in Triton's
@@ -61,11 +62,12 @@ SWEEP = ("4bit_nc", 256, 4, (128, 131072))
 SWEEP_SPLITS = (1, 3, 8, 32, 128)
 ROWS, CHUNK, REPS = 8, 16384, 10
 DATA = [("flat", "normal")]
+RAGGED = False  # --ragged: a served batch's mixed lengths
 
 
 def parse_args() -> argparse.Namespace:
     global HK, BLOCK, PRESETS, DIMS, GQAS, CELLS, SWEEP, SWEEP_SPLITS, ROWS, CHUNK, REPS
-    global DTYPE, DATA
+    global DTYPE, DATA, RAGGED
     ap = argparse.ArgumentParser()
     ap.add_argument("--tree", required=True)
     ap.add_argument("--base-kernel", required=True, help="v0.33.0's module file")
@@ -89,6 +91,8 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--hk", type=int, help="KV heads (4)")
     ap.add_argument("--fa2", action="store_true", help="time FA2 and the floor too")
     ap.add_argument("--goal", help="the kernel held to issue 54's goals (--fa2)")
+    ap.add_argument("--ragged", action="store_true",
+                    help="requests of 1/8 to all of L tokens (not with --fa2)")
     a = ap.parse_args()
     DTYPE = getattr(torch, a.dtype)
     if a.small:
@@ -109,6 +113,9 @@ def parse_args() -> argparse.Namespace:
         SWEEP_SPLITS = tuple(int(x) for x in a.sweep_splits.split(","))
     ROWS, REPS, BLOCK = a.rows or ROWS, a.reps or REPS, a.block or BLOCK
     DATA, HK = data.parse(a.data) if a.data else DATA, a.hk or HK
+    if a.ragged and a.fa2:
+        ap.error("--ragged times FA2 and the floor at L: leave out --fa2")
+    RAGGED = a.ragged
     return a
 
 
@@ -260,6 +267,15 @@ def tokens_per_split(length: int, splits: int, block_kv: int) -> int:
     return math.ceil(math.ceil(length / splits) / block_kv) * block_kv
 
 
+def request_lengths(batch: int, length: int, g: torch.Generator) -> list[int]:
+    """Every request ``length`` tokens; with --ragged, 1/8 to all of it (a
+    fixed uniform draw), as in a served batch."""
+    if not RAGGED:
+        return [length] * batch
+    u = torch.rand(batch, generator=g, device=g.device).tolist()
+    return [max(1, round(length * (1 - 7 * x / 8))) for x in u]
+
+
 def sampled_rows(batch: int) -> list[int]:
     if batch <= ROWS:
         return list(range(batch))
@@ -275,7 +291,8 @@ class Cell:
         self.shape, self.batch, self.length = shape, batch, length
         g = torch.Generator(device=tqlib.DEVICE).manual_seed(batch * 7 + length)
         table = bench.random_table(num_blocks, batch, length, BLOCK, g)
-        seq_lens = torch.full((batch,), length, dtype=torch.int32, device=tqlib.DEVICE)
+        self.lens = request_lengths(batch, length, g)
+        seq_lens = torch.tensor(self.lens, dtype=torch.int32, device=tqlib.DEVICE)
         q = tqlib.rand((batch, shape.hq, shape.d), DTYPE, g)
         self.rows = sampled_rows(batch)
         for r in self.rows:  # the checked requests' queries (the rest: random)
@@ -284,7 +301,7 @@ class Cell:
                 blocks = table[r][pos // BLOCK].long()
                 return shape.dequant(shape.cache.slots[blocks, pos % BLOCK])[0]
 
-            data.aim(q[r], keys, length, attention, shape.impl.scale)
+            data.aim(q[r], keys, self.lens[r], attention, shape.impl.scale)
         self.args = bench.decode_args(
             shape.impl, shape.layer, q, shape.cache.slots, table, seq_lens
         )
@@ -296,7 +313,7 @@ class Cell:
     def reference(self, norms: torch.Tensor | None = None) -> torch.Tensor:
         """The sampled rows' float64 attention (``norms``: Shape.dequant's)."""
         return torch.stack([
-            self.shape.reference(self.q[r], self.table[r], self.length, norms)
+            self.shape.reference(self.q[r], self.table[r], self.lens[r], norms)
             for r in self.rows
         ])  # fmt: skip
 
@@ -590,7 +607,7 @@ def table(res: dict) -> str:
             + " | ".join(f"ms {n}" for n in names) + " |")  # fmt: skip
     title = (f"### TurboQuant decode: relative L2 error against float64 "
              f"({res['device'].get('device')}, Hk {res['Hk']}, {str(DTYPE)[6:]}, block "
-             f"{BLOCK}; within bound (rel L2 and max abs error <= 1.25x up's or "
+             f"{BLOCK}{'; requests of L / 8 to L' if RAGGED else ''}; within bound (rel L2 and max abs error <= 1.25x up's or "
              f"+2e-4, |bias| = |mean / RMS| of the error <= 0.3): ok / NO)")  # fmt: skip
     lines = [title, "", head, "|" + "---|" * (8 + 3 * len(names))]
     for tag, rows in (("", res["rows"]), ("sweep ", res["sweep"])):
