@@ -605,9 +605,10 @@ def table(res: dict) -> str:
             + " | ".join(f"err {n}" for n in names) + " | bound | "
             + " | ".join(f"bias {n}" for n in names) + " | "
             + " | ".join(f"ms {n}" for n in names) + " |")  # fmt: skip
+    lens = "; requests of L / 8 to L" if RAGGED else ""
     title = (f"### TurboQuant decode: relative L2 error against float64 "
              f"({res['device'].get('device')}, Hk {res['Hk']}, {str(DTYPE)[6:]}, block "
-             f"{BLOCK}{'; requests of L / 8 to L' if RAGGED else ''}; within bound (rel L2 and max abs error <= 1.25x up's or "
+             f"{BLOCK}{lens}; within bound (rel L2 and max abs error <= 1.25x up's or "
              f"+2e-4, |bias| = |mean / RMS| of the error <= 0.3): ok / NO)")  # fmt: skip
     lines = [title, "", head, "|" + "---|" * (8 + 3 * len(names))]
     for tag, rows in (("", res["rows"]), ("sweep ", res["sweep"])):
