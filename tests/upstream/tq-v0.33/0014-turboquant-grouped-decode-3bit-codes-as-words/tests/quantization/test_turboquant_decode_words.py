@@ -47,6 +47,7 @@ def _vllm_config():
             tensor_parallel_size=1, decode_context_parallel_size=1
         ),
         attention_config=SimpleNamespace(tq_max_kv_splits_for_cuda_graph=4),
+        kv_transfer_config=None,
     )
 
 
