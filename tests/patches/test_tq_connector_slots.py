@@ -12,8 +12,9 @@ The regression test stores a context and a decode step through the
 backend under a connector (one case per KV role, each preset once) and
 decodes the pages as such a peer does, with v0.33.0's kernel, which reads
 slots: on the base its output is garbage against float64 attention over
-the K/V stored; patched it is at the backend's own error. Without a
-connector the pages stay SoA (test_tq_soa_pages.py).
+the K/V stored; patched it is at the backend's own error. The backend's
+own forward over those pages stays at its bound. Without a connector the
+pages stay SoA (test_tq_soa_pages.py).
 
 Small shapes: on CPU every Triton kernel runs in the interpreter.
 """
@@ -47,15 +48,10 @@ def env(
     preset, role = request.param
     shape = tb.Shape(hq=4, hk=2, head=64, preset=preset)
     connector = {"kv_connector": "ExampleConnector", "kv_role": role}
-    with pytest.MonkeyPatch.context() as mp:
-        yield tb.open_backend(
-            vllm_tree,
-            tmp_path_factory.mktemp(f"connector_{role}"),
-            shape,
-            mp.setattr,
-            kv_transfer_config=connector,
-        )
-        tb.close_backend()
+    yield from tb.backend_fixture(
+        vllm_tree, tmp_path_factory, shape, f"connector_{role}",
+        kv_transfer_config=connector,
+    )  # fmt: skip
 
 
 @pytest.mark.bug_signature(AssertionError, PEER)
@@ -79,3 +75,12 @@ def test_connector_peer_decodes_the_pages(env: tb.Backend) -> None:
             f"{err:.3g} off float64 attention, against {right_err:.3g} read "
             "in their own layout"
         )
+
+
+def test_backend_decodes_its_connector_pages(env: tb.Backend) -> None:
+    """The backend's own forward over the pages it stored under the
+    connector is within the output dtype's rounding of float64 attention
+    (two roundings: the kernel's fp32 sums)."""
+    _, got, want = tb.decode_step(env)
+    err = (got - want).abs().max().item()
+    assert err <= 2 * tb.half_ulp(env.shape.dtype, want), f"max |error| = {err:.3g}"

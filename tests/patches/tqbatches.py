@@ -354,13 +354,17 @@ def close_backend() -> None:
     _vllm_dir = None
 
 
-def backend_fixture(tree: Path, tmp_path_factory: Any, shape: Shape, name: str):
+def backend_fixture(
+    tree: Path, tmp_path_factory: Any, shape: Shape, name: str, **config: Any
+):
     """A fixture's body: the tree's backend at ``shape`` (a tiny model in a
-    temporary folder ``name``), yielded, then closed and its platform undone."""
+    temporary folder ``name``; ``config`` as for ``open_backend``), yielded,
+    then closed and its platform undone."""
     import pytest
 
     with pytest.MonkeyPatch.context() as mp:
-        yield open_backend(tree, tmp_path_factory.mktemp(name), shape, mp.setattr)
+        model_dir = tmp_path_factory.mktemp(name)
+        yield open_backend(tree, model_dir, shape, mp.setattr, **config)
         close_backend()
 
 
