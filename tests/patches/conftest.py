@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -153,3 +154,13 @@ def cpu_platform(vllm_tree: Path, monkeypatch: pytest.MonkeyPatch):
     import tqharness
 
     return tqharness.install_platform(vllm_tree, monkeypatch.setattr)
+
+
+@pytest.fixture
+def gd(cpu_platform: Any) -> Any:
+    """The grouped decode module (tq-v0.33), imported under the tree's
+    platform (on a GPU a plain source tree has no CUDA platform to import it
+    under)."""
+    import vllm.v1.attention.ops.triton_turboquant_grouped_decode as gd
+
+    return gd

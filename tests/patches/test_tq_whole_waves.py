@@ -30,29 +30,13 @@ import pytest
 import tqbatches as tb
 
 PART_EMPTY = r"^\d+ splits for \d+ requests x \d+ KV heads on \d+ SMs leave \d+ of"
-RESIDENT = 12  # one-warp programs a SM under the cap of 168 registers
+RESIDENT = tb.REGS_RESIDENT
+splits = tb.step_splits
 # (SMs, KV heads, requests): H100 and H200 (132), A100 (108), B200 (148);
 # requests x KV heads up to half a wave, where the grid has splits to choose.
 MANY = [(132, 4, 32), (132, 4, 64), (132, 4, 128), (132, 8, 32), (132, 2, 100),
         (132, 1, 200), (108, 4, 32), (108, 8, 64), (148, 4, 48),
         (148, 8, 64)]  # fmt: skip
-
-
-@pytest.fixture
-def gd(cpu_platform: Any) -> Any:
-    """The grouped decode module, imported under the tree's platform (on a
-    GPU a plain source tree has no CUDA platform to import it under)."""
-    import vllm.v1.attention.ops.triton_turboquant_grouped_decode as gd
-
-    return gd
-
-
-def splits(gd: Any, requests: int, kv_heads: int, in_registers: bool = True) -> int:
-    """The backend's split count for a decode step of ``requests``."""
-    budget = 256 * 32 // requests  # max_num_seqs 256, 32 splits reserved each
-    return gd.grouped_decode_num_splits(
-        requests, kv_heads, budget, tb.DEVICE, in_registers
-    )
 
 
 @pytest.mark.bug_signature(AssertionError, PART_EMPTY)
@@ -81,9 +65,11 @@ def test_few_programs_keep_their_splits(
     gd: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Fewer programs than ``_many_programs`` (uncapped), or a preset off the
-    registers stage 1: 8 programs a SM, as before."""
+    registers stage 1: 8 programs a SM, as before (from tq-v0.33/0022 fewer
+    programs fill one wave: test_tq_few_programs.py)."""
     monkeypatch.setattr(gd, "_num_sms", lambda device: 132)
-    assert splits(gd, 8, 4) == math.ceil(8 * 132 / 32)
+    if not hasattr(gd, "_REGS_FEW_WAVES"):
+        assert splits(gd, 8, 4) == math.ceil(8 * 132 / 32)
     assert splits(gd, 32, 4, in_registers=False) == math.ceil(8 * 132 / 128)
 
 

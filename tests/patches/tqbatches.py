@@ -909,6 +909,23 @@ def decode_step(env: Backend) -> tuple[list[str], torch.Tensor, torch.Tensor]:
     return log, plain(out).double().cpu()[: want.shape[0]], want
 
 
+# One-warp programs of the registers stage 1 a SM under its register cap of
+# 168 (64K registers), from tq-v0.33/0020.
+REGS_RESIDENT = 12
+
+
+def step_splits(
+    gd: Any, requests: int, kv_heads: int, in_registers: bool = True
+) -> int:
+    """The grouped decode's split count (module ``gd``) for a decode step of
+    ``requests`` as the backend asks it (max_num_seqs 256, 32 splits
+    reserved each)."""
+    budget = 256 * 32 // requests
+    return gd.grouped_decode_num_splits(
+        requests, kv_heads, budget, DEVICE, in_registers
+    )
+
+
 def half_ulp(dtype: torch.dtype, x: torch.Tensor) -> float:
     """Half the spacing of ``dtype`` at the largest |x|: the largest error of
     a correctly rounded output."""

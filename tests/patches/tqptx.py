@@ -63,8 +63,9 @@ class Launches:
         return Recorder()
 
 
-def stage1_launch(env: tb.Backend, monkeypatch: pytest.MonkeyPatch) -> dict:
-    """The stage-1 launch of the grouped launcher for a decode step."""
+def step_launches(env: tb.Backend, monkeypatch: pytest.MonkeyPatch) -> list[dict]:
+    """The kernel launches of the grouped launcher for a decode step (two
+    splits), recorded, not run."""
     import vllm.v1.attention.ops.triton_turboquant_grouped_decode as gd
 
     launches = Launches()
@@ -75,7 +76,12 @@ def stage1_launch(env: tb.Backend, monkeypatch: pytest.MonkeyPatch) -> dict:
             monkeypatch.setattr(gd, name, launches.kernel(name, getattr(gd, name)))
     impl, layer, batch = tb.decode_batch(env, [300, 40], seed=3)
     tb.decode_kernels(impl, layer, batch, splits=2, old_splits=None)
-    (call,) = [c for c in launches.calls if "stage1" in c["kernel"]]
+    return launches.calls
+
+
+def stage1_launch(env: tb.Backend, monkeypatch: pytest.MonkeyPatch) -> dict:
+    """The stage-1 launch of the grouped launcher for a decode step."""
+    (call,) = [c for c in step_launches(env, monkeypatch) if "stage1" in c["kernel"]]
     return call
 
 
