@@ -67,17 +67,17 @@ def test_16_tokens_where_32_spill(
 
 
 @tb.env_cases(WIDE[:1])
-def test_few_programs_keep_16_tokens(
-    env: tb.Backend, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """With fewer programs than ``_many_programs`` (uncapped) the launch is
-    16 tokens on one warp, as before (from tq-v0.33/0022 the launch of many:
-    test_tq_few_programs.py)."""
+def test_few_programs_launch(env: tb.Backend, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With fewer programs than ``_many_programs`` the launch is 16 tokens on
+    one warp, uncapped; from tq-v0.33/0022 (``_REGS_FEW_WAVES``) the launch
+    of many (its split count: test_tq_few_programs.py)."""
     import vllm.v1.attention.ops.triton_turboquant_grouped_decode as gd
 
+    want = ("regs_stage1", 16, 1, False)
+    if hasattr(gd, "_REGS_FEW_WAVES"):
+        want = stage1_config(env, monkeypatch, many=True)
     got = stage1_config(env, monkeypatch, many=False)
-    if not hasattr(gd, "_REGS_FEW_WAVES"):
-        assert got == ("regs_stage1", 16, 1, False), f"launch: {got}"
+    assert got == want, f"launch: {got}"
 
 
 @pytest.mark.cpu_only  # compiles for sm_90 without a GPU (as 0013's test)
