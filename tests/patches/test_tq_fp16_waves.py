@@ -5,9 +5,9 @@ With fp16 queries the registers stage 1 adds the centroids' low parts (a
 second MMA a key tile), so ``grouped_decode_in_registers`` said no for
 them: the backend took splits for 8 programs a SM, and fewer programs than
 ``_many_programs`` ran uncapped. At 16 requests x 4 KV heads on an H100
-that is 1,088 programs, one more wave's worth than the 1,056 slots 8 a SM
-give, and turboquant_4bit_nc took 1.78x fp16 FlashAttention's time at
-head size 128 (1.1x bf16's). The patch gives fp16 queries on MSE keys the
+that is 1,088 programs, 32 more than the 1,056 slots 8 a SM give, and
+turboquant_4bit_nc took 1.78x fp16 FlashAttention's time at head size 128
+(bf16 queries: 0.65x bf16's). The patch gives fp16 queries on MSE keys the
 launch and split count of bf16 queries up to head size 128: on an H100
 0.61-0.87x the time at 16 and 32 requests, 0.93-0.99x at 1 x 128K and 128
 x 32K (head sizes 64 and 128, GQA 4, 8 and 16; ci/gpu/NOTES.md). Head
